@@ -1,0 +1,98 @@
+"""A tierfs mount driven through the real CLI, always torn down.
+
+Teardown never trusts the daemon: `tierfs umount`, then `fusermount3 -u`,
+then a lazy `-uz`, then SIGKILL of the daemon's PID, so a failing test
+cannot leave a mount (or a wedged CI) behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TIERFS = [sys.executable, "-m", "tierfs"]
+
+
+def run_tierfs(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
+               check: bool = False) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*TIERFS, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, check=check, stdin=subprocess.DEVNULL)
+
+
+def is_mounted(path: Path) -> bool:
+    target = os.path.realpath(path)
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == target for line in f)
+
+
+@dataclass
+class TierfsMount:
+    source: str
+    mountpoint: Path
+    cache_dir: Path
+    env: dict[str, str]
+    extra: list[str] = field(default_factory=list)
+    pid: int | None = None
+
+    def start(self) -> TierfsMount:
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        res = run_tierfs("mount", self.source, str(self.mountpoint), "--cache-dir",
+                         str(self.cache_dir), *self.extra, env=self.env)
+        if res.returncode != 0:
+            raise RuntimeError(f"mount failed ({res.returncode}): {res.stderr.strip()}")
+        self.stderr = res.stderr
+        self.pid = int(self.status()["pid"])
+        return self
+
+    def status(self) -> dict:
+        res = run_tierfs("status", str(self.mountpoint), "--json", env=self.env, check=True)
+        return json.loads(res.stdout)
+
+    def metric(self, name: str) -> float:
+        return float(self.status()["metrics"].get(name, 0.0))
+
+    def umount(self) -> subprocess.CompletedProcess[str]:
+        res = run_tierfs("umount", str(self.mountpoint), env=self.env, timeout=120)
+        self._wait_dead()
+        return res
+
+    def kill9(self) -> None:
+        """Simulate a daemon crash; the dead mount stays until cleaned."""
+        assert self.pid is not None
+        os.kill(self.pid, signal.SIGKILL)
+        self._wait_dead()
+
+    def _wait_dead(self, timeout: float = 30) -> None:
+        if self.pid is None:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                break
+            # The daemon is not our child (it detached); it is reaped by init.
+            time.sleep(0.05)
+        self.pid = None
+
+    def cleanup(self) -> None:
+        """Best-effort, escalating teardown; safe to call at any time."""
+        if is_mounted(self.mountpoint):
+            with contextlib.suppress(Exception):
+                run_tierfs("umount", str(self.mountpoint), "--no-flush", env=self.env, timeout=30)
+        for args in (["-u"], ["-uz"]):
+            if not is_mounted(self.mountpoint):
+                break
+            subprocess.run(["fusermount3", *args, str(self.mountpoint)], capture_output=True,
+                           timeout=30, check=False)
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            self._wait_dead()

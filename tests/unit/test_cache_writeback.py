@@ -1,0 +1,314 @@
+"""Tier-1 write-back hooks: dirty writes in place, sealing with checksums, becoming
+a clean cached object, rename/remove, and recovery of a dirty file after a crash."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tierfs.cache import Cache
+
+CS = 4096
+
+
+def new_cache(root: Path, chunk_size: int = CS, capacity: int = 1 << 30) -> Cache:
+    c = Cache(root, capacity=capacity, chunk_size=chunk_size, min_free=0)
+    c.bind("file:///src")
+    return c
+
+
+def test_write_seal_upload_cycle(tmp_path: Path) -> None:
+    c = new_cache(tmp_path / "c")
+    e = c.open("run/ckpt.pt", "", 0, 0.0)
+    assert e.state == "clean"
+    data = os.urandom(3 * CS + 1000)
+    for off in range(0, len(data), 1000):  # unaligned pieces, front to back
+        assert e.write(off, data[off : off + 1000]) == len(data[off : off + 1000])
+    assert e.state == "dirty" and e.size == len(data)
+    assert e.read(0, len(data)) == data
+    assert c.stats().used_bytes == len(data)
+    e.set_state("sealed", mtime=42.0)
+    assert c.lookup("run/ckpt.pt").state == "sealed"
+    e.set_state("clean", etag="etag-from-store")
+    c.release(e)
+    obj = c.lookup("run/ckpt.pt")
+    assert (obj.state, obj.etag, obj.size, obj.mtime, obj.cached_bytes) == (
+        "clean",
+        "etag-from-store",
+        len(data),
+        42.0,
+        len(data),
+    )
+    c.close()
+
+    c = new_cache(tmp_path / "c")
+    e = c.open("run/ckpt.pt", "etag-from-store", len(data), 42.0)
+    assert e.read(0, len(data)) == data  # checksums recorded at sealing verify
+    c.release(e)
+    assert c.verify_all() == []
+    assert c.evict("run/ckpt.pt") is True  # an ordinary cached object now
+    c.close()
+
+
+def test_write_needs_the_whole_object(tmp_path: Path) -> None:
+    c = new_cache(tmp_path / "c")
+    e = c.open("k", "e1", 3 * CS, 0.0)
+    e.store(0, bytes(CS))
+    with pytest.raises(ValueError, match="not fully cached"):
+        e.write(10, b"x")
+    with pytest.raises(ValueError):
+        e.truncate(2 * CS)
+    e.truncate(CS)  # only the surviving part must be cached
+    assert e.state == "dirty" and e.size == CS
+    assert c.stats().used_bytes == CS
+    e.write(CS, b"tail")
+    assert e.read(CS - 2, 10) == b"\0\0tail"
+    with pytest.raises(ValueError):
+        e.store(0, bytes(CS))  # fetched bytes never overwrite local ones
+    c.release(e)
+    c.close()
+
+
+def test_truncate_grow_and_shrink(tmp_path: Path) -> None:
+    c = new_cache(tmp_path / "c")
+    e = c.open("k", "", 0, 0.0)
+    e.write(0, b"a" * (CS + 10))
+    e.truncate(5)
+    e.truncate(2 * CS)
+    assert e.read(0, 2 * CS) == b"a" * 5 + bytes(2 * CS - 5)
+    e.write(3 * CS, b"z")  # a gap past EOF reads as zeros
+    assert e.size == 3 * CS + 1 and e.read(2 * CS, CS + 1) == bytes(CS) + b"z"
+    assert c.stats().used_bytes == 3 * CS + 1
+    e.set_state("sealed")
+    c.release(e)
+    c.close()
+    c = new_cache(tmp_path / "c")
+    assert c.verify_all() == []
+    c.close()
+
+
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("w"), st.integers(0, 700), st.binary(min_size=1, max_size=300)),
+            st.tuples(st.just("a"), st.just(0), st.binary(min_size=1, max_size=150)),
+            st.tuples(st.just("t"), st.integers(0, 900), st.just(b"")),
+        ),
+        max_size=25,
+    )
+)
+def test_sealed_checksums_match_any_write_sequence(
+    tmp_path_factory: pytest.TempPathFactory, ops: list
+) -> None:
+    """Running checksums (sequential writes) and read-back ones (the rest) must both
+    describe the final file exactly: a fresh process verifies every chunk."""
+    root = tmp_path_factory.mktemp("c")
+    model = bytearray()
+    c = new_cache(root, chunk_size=64)
+    e = c.open("f", "", 0, 0.0)
+    e.set_state("dirty")  # created by a writer
+    for kind, off, data in ops:
+        if kind == "a":  # append: the common, sequential case
+            off = len(model)
+        if kind != "t":
+            e.write(off, data)
+            model[len(model) :] = bytes(max(0, off - len(model)))
+            model[off : off + len(data)] = data
+        else:
+            e.truncate(off)
+            model = model[:off] + bytes(max(0, off - len(model)))
+    e.set_state("sealed")
+    c.release(e)
+    c.close()
+    c = new_cache(root, chunk_size=64)
+    e = c.open("f", "ignored", 0, 0.0)
+    assert e.state == "sealed" and e.size == len(model)
+    assert e.read(0, len(model)) == bytes(model)
+    c.release(e)
+    assert c.verify_all() == []
+    c.close()
+
+
+def test_dirty_file_survives_a_crash(tmp_path: Path) -> None:
+    child = textwrap.dedent(
+        f"""
+        import os, sys
+        from tierfs.cache import Cache
+        c = Cache({str(tmp_path / "c")!r}, capacity=1 << 30, chunk_size={CS}, min_free=0)
+        c.bind("file:///src")
+        e = c.open("half.pt", "", 0, 0.0)
+        e.write(0, b"x" * {CS + 1})
+        c.release(e)  # the record knows CS+1 bytes
+        e = c.open("half.pt", "", 0, 0.0)
+        e.write({CS + 1}, b"y" * {2 * CS})  # this growth never reaches the record
+        os._exit(0)
+        """
+    )
+    subprocess.run([sys.executable, "-c", child], check=True, cwd=Path(__file__).parents[2])
+    c = new_cache(tmp_path / "c")
+    assert c.lookup("half.pt").state == "dirty"
+    assert [o.key for o in c.iter_objects() if o.state != "clean"] == ["half.pt"]
+    e = c.open("half.pt", "", 0, 0.0)
+    assert e.size == 3 * CS + 1 and e.read(0, e.size) == b"x" * (CS + 1) + b"y" * (2 * CS)
+    assert c.stats().used_bytes == 3 * CS + 1
+    c.release(e)
+    assert c.lookup("half.pt").cached_bytes == 3 * CS + 1
+    assert c.remove("half.pt") is True  # quarantine done: forget it
+    assert c.stats().used_bytes == 0 and list((tmp_path / "c" / "objects").iterdir()) == []
+    c.close()
+
+
+def test_rename_moves_pending_file(tmp_path: Path) -> None:
+    c = new_cache(tmp_path / "c")
+    e = c.open("tmp-checkpoint-5/model.pt", "", 0, 0.0)
+    e.write(0, b"weights")
+    e.set_state("sealed")
+    target = c.open("checkpoint-5/model.pt", "old", CS, 0.0)  # an older object there
+    target.store(0, bytes(CS))
+    assert c.rename("tmp-checkpoint-5/model.pt", "checkpoint-5/model.pt") is True
+    assert e.key == "checkpoint-5/model.pt"
+    assert c.lookup("tmp-checkpoint-5/model.pt") is None
+    assert target.read(0, 4) == bytes(4)  # the replaced version stays readable to its holder
+    assert c.open("checkpoint-5/model.pt", "whatever", 1, 0.0) is e
+    c.release(e)
+    c.release(e)
+    c.release(target)
+    obj = c.lookup("checkpoint-5/model.pt")
+    assert (obj.state, obj.size) == ("sealed", 7)
+    assert c.stats().used_bytes == 7
+    assert c.rename("nope", "x") is False
+    c.close()
+
+
+def test_remove_while_open(tmp_path: Path) -> None:
+    c = new_cache(tmp_path / "c")
+    e = c.open("k", "e", CS, 0.0)
+    e.store(0, b"q" * CS)
+    assert c.remove("k") is True
+    assert c.lookup("k") is None and not e.path.exists()
+    assert e.read(0, CS) == b"q" * CS
+    fresh = c.open("k", "e", CS, 0.0)
+    assert fresh is not e and fresh.missing(0, CS) == [(0, CS)]
+    c.release(e)
+    c.release(fresh)
+    assert c.stats().used_bytes == 0
+    c.close()
+
+
+def test_state_transitions_are_checked(tmp_path: Path) -> None:
+    c = new_cache(tmp_path / "c")
+    e = c.open("k", "", 0, 0.0)
+    with pytest.raises(ValueError):
+        e.set_state("sealed")  # nothing written
+    e.write(0, b"abc")
+    with pytest.raises(ValueError):
+        e.set_state("clean")  # not sealed yet
+    with pytest.raises(ValueError):
+        e.set_state("uploaded")
+    e.set_state("sealed")
+    e.write(3, b"d")  # written again after an fsync: dirty again
+    assert e.state == "dirty"
+    e.set_state("sealed")
+    e.set_state("clean", etag="v1")
+    c.release(e)
+    assert c.lookup("k").size == 4
+    c.close()
+
+
+def test_sealing_a_sequential_write_reads_nothing_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tierfs.cache.objects as objects
+
+    c = new_cache(tmp_path / "c")
+    e = c.open("big.distcp", "", 0, 0.0)
+    data = os.urandom(5 * CS + 333)
+    for off in range(0, len(data), 1500):
+        e.write(off, data[off : off + 1500])
+
+    def no_reads(*args: object) -> bytes:
+        raise AssertionError("sealing re-read the file")
+
+    monkeypatch.setattr(objects, "_pread", no_reads)
+    e.set_state("sealed")
+    monkeypatch.undo()
+    c.release(e)
+    c.close()
+    c = new_cache(tmp_path / "c")
+    assert c.verify_all() == []
+    c.close()
+
+
+def test_failed_write_leaves_a_sealable_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that fails halfway (ENOSPC) must not leave a running checksum that
+    no longer matches the file, nor a file longer than the entry."""
+    import errno
+
+    import tierfs.cache.objects as objects
+
+    c = new_cache(tmp_path / "c")
+    e = c.open("k", "", 0, 0.0)
+    e.write(0, b"a" * (CS + 100))
+    real = objects._pwrite_all
+
+    def half_then_enospc(fd: int, data: memoryview, offset: int) -> None:
+        real(fd, data[: len(data) // 2], offset)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(objects, "_pwrite_all", half_then_enospc)
+    with pytest.raises(OSError):
+        e.write(CS + 100, b"b" * (2 * CS))  # sequential: a running checksum was going
+    with pytest.raises(OSError):
+        e.write(50, b"c" * 100)
+    monkeypatch.undo()
+    assert e.size == CS + 100 and os.path.getsize(e.path) == CS + 100
+    e.set_state("sealed")
+    c.release(e)
+    c.close()
+    c = new_cache(tmp_path / "c")
+    assert c.verify_all() == []
+    c.close()
+
+
+def test_going_dirty_waits_for_stores_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fetch that lands after a local write must not overwrite it."""
+    import threading
+    import time
+
+    import tierfs.cache.objects as objects
+
+    c = new_cache(tmp_path / "c")
+    e = c.open("k", "e", CS, 0.0)
+    e.store(0, b"o" * CS)
+    real = objects._pwrite_all
+    storing = threading.Event()
+
+    def slow(fd: int, data: memoryview, offset: int) -> None:
+        if threading.current_thread().name == "fetcher":
+            storing.set()
+            time.sleep(0.3)
+        real(fd, data, offset)
+
+    monkeypatch.setattr(objects, "_pwrite_all", slow)
+    fetcher = threading.Thread(target=e.store, args=(0, b"o" * CS), name="fetcher")
+    fetcher.start()
+    storing.wait()
+    e.write(0, b"new")
+    fetcher.join()
+    assert e.read(0, 4) == b"newo"
+    c.release(e)
+    c.close()

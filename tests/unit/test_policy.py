@@ -1,0 +1,68 @@
+"""Path -> class rules: globs, order, defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierfs.config import DEFAULT_CLASSES, DEFAULT_RULES, ConfigError, parse_seconds, parse_size
+from tierfs.policy import Policy, glob_to_regex
+
+
+@pytest.fixture
+def policy() -> Policy:
+    return Policy(DEFAULT_RULES, DEFAULT_CLASSES, "default")
+
+
+@pytest.mark.parametrize(
+    ("path", "cls"),
+    [
+        ("ckpt/step-10/.metadata", "manifest"),
+        ("latest", "manifest"),
+        ("run/LATEST", "manifest"),
+        ("m/model.safetensors.index.json", "manifest"),
+        ("ckpt/step-10/__0_0.distcp", "checkpoint"),
+        ("a/b/checkpoints/anything.txt", "checkpoint"),
+        ("checkpoints/x", "checkpoint"),
+        ("m/model.safetensors", "checkpoint"),
+        ("data/shard-000.tar", "dataset"),
+        ("data/train.parquet", "dataset"),
+        ("notes.txt", "default"),
+        ("data/latest.txt", "default"),
+    ],
+)
+def test_default_rules(policy: Policy, path: str, cls: str) -> None:
+    assert policy.settings(path).name == cls
+
+
+def test_first_match_wins_and_reports_rule() -> None:
+    p = Policy((("*.json", "dataset"), ("config.json", "manifest")), DEFAULT_CLASSES, "default")
+    d = p.classify("m/config.json")
+    assert d.settings.name == "dataset" and d.rule == "*.json"
+    assert p.classify("x.bin").rule is None
+
+
+def test_glob_semantics() -> None:
+    assert glob_to_regex("*.tar").match("a.tar")
+    assert not glob_to_regex("*.tar").match("d/a.tar")  # '*' stays within a segment
+    assert glob_to_regex("**/x/**").match("x/y")
+    assert glob_to_regex("**/x/**").match("a/b/x/y/z")
+    assert glob_to_regex("shard-[0-9]?.tar").match("shard-1a.tar")
+    assert not glob_to_regex("[!a]*").match("abc")
+    with pytest.raises(ConfigError):
+        glob_to_regex("[abc")
+
+
+def test_unknown_class_rejected() -> None:
+    with pytest.raises(ConfigError, match="unknown class"):
+        Policy((("*.x", "nope"),), DEFAULT_CLASSES, "default")
+
+
+def test_sizes_and_durations() -> None:
+    assert parse_size("512M") == 512 << 20
+    assert parse_size("20GiB") == 20 << 30
+    assert parse_size("1.5k") == 1536
+    assert parse_seconds("inf") == float("inf")
+    with pytest.raises(ConfigError):
+        parse_size("lots")
+    with pytest.raises(ConfigError):
+        parse_seconds("-1")

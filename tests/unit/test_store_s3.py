@@ -1,0 +1,404 @@
+"""S3 adapter against a real SeaweedFS server (plus one fake server for retries)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from tests.support.seaweed import SeaweedServer
+from tierfs.store import S3Store, StoreError, open_store, parse_source
+
+MiB = 1 << 20
+
+
+class Recorder:
+    """A RequestObserver that keeps every report."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, float, int]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, op: str, outcome: str, seconds: float, nbytes: int) -> None:
+        with self._lock:
+            self.events.append((op, outcome, seconds, nbytes))
+
+    def outcomes(self, op: str) -> list[str]:
+        return [e[1] for e in self.events if e[0] == op]
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+def store(s3_env: dict[str, str], bucket: str, recorder: Recorder) -> S3Store:
+    s = open_store(f"s3://{bucket}/src", part_size=5 * MiB, observer=recorder)
+    assert isinstance(s, S3Store)
+    return s
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- parse_source / open_store ---------------------------------------------------
+
+
+def test_parse_source_forms() -> None:
+    assert parse_source("s3://my-bucket") == ("s3", "my-bucket", "")
+    assert parse_source("s3://my-bucket/") == ("s3", "my-bucket", "")
+    assert parse_source("s3://my-bucket/a/b/") == ("s3", "my-bucket", "a/b/")
+    assert parse_source("S3://my.bucket/a") == ("s3", "my.bucket", "a/")
+    assert parse_source("file:///data/x/") == ("file", "/data/x", "")
+    assert parse_source("file://localhost/data") == ("file", "/data", "")
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["foo", "s3://", "http://bucket/x", "file://relative/path", "file:/x", "s3:/bucket"],
+)
+def test_parse_source_malformed(url: str) -> None:
+    with pytest.raises(StoreError) as ei:
+        parse_source(url)
+    assert ei.value.kind == "invalid" and ei.value.errno == errno.EINVAL
+    assert "expected s3://bucket[/prefix] or file:///path" in str(ei.value)
+    assert "\n" not in str(ei.value)
+
+
+@pytest.mark.parametrize(
+    "name", ["ab", "x" * 64, "Upper", "under_score", "-dash", "dot.", "a..b", "192.168.1.1"]
+)
+def test_bucket_name_rules(name: str) -> None:
+    with pytest.raises(StoreError, match=f"invalid bucket name '{name}'") as ei:
+        parse_source(f"s3://{name}/p")
+    assert ei.value.kind == "invalid"
+
+
+# -- check() -----------------------------------------------------------------------
+
+
+def test_check_ok(store: S3Store) -> None:
+    store.check()
+    assert store.identity == f"s3|{store.endpoint}|{store.bucket}|src/"
+    assert store.url == f"s3://{store.bucket}/src/"
+
+
+def test_check_missing_bucket(s3_env: dict[str, str], s3_server: SeaweedServer) -> None:
+    with pytest.raises(StoreError) as ei:
+        open_store("s3://no-such-bucket-here").check()
+    assert ei.value.kind == "no_bucket" and ei.value.errno == errno.ENOENT
+    assert str(ei.value) == f"bucket 'no-such-bucket-here' does not exist at {s3_server.endpoint}"
+
+
+def test_check_wrong_credentials(
+    s3_env: dict[str, str], bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-value")
+    with pytest.raises(StoreError) as ei:
+        open_store(f"s3://{bucket}").check()
+    assert ei.value.kind == "access_denied" and ei.value.errno == errno.EACCES
+    assert str(ei.value) == (
+        f"access denied to bucket '{bucket}': check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+    )
+    assert "wrong-secret-value" not in str(ei.value)
+
+
+def test_check_unreachable_fails_fast(s3_env: dict[str, str]) -> None:
+    port = _free_port()
+    t0 = time.monotonic()
+    with pytest.raises(StoreError) as ei:
+        open_store("s3://bucket", endpoint_url=f"http://127.0.0.1:{port}").check()
+    assert time.monotonic() - t0 < 10
+    assert ei.value.kind == "unreachable" and ei.value.errno == errno.EIO
+    assert str(ei.value) == f"cannot reach http://127.0.0.1:{port}: connection refused"
+
+
+# -- reads -------------------------------------------------------------------------
+
+
+def test_head_and_list_nested_under_source_prefix(
+    store: S3Store, s3_server: SeaweedServer, bucket: str
+) -> None:
+    c = s3_server.client()
+    for key in ["src/a.txt", "src/d/", "src/d/b", "src/d/e/c", "other/x", "srcx/y", "src"]:
+        c.put_object(Bucket=bucket, Key=key, Body=b"data", Metadata={"k": "v"})
+
+    top = store.list_dir("")
+    assert [f.key for f in top.files] == ["a.txt"] and top.dirs == ["d"]
+    d = store.list_dir("d/")
+    assert [f.key for f in d.files] == ["d/b"] and d.dirs == ["e"]  # marker "d/" excluded
+    assert store.list_dir("d/e/").files[0].key == "d/e/c"
+    assert store.list_dir("missing/") == store.list_dir("missing/")  # empty, no error
+    assert store.list_dir("missing/").files == []
+
+    info = store.head("d/b")
+    raw = c.head_object(Bucket=bucket, Key="src/d/b")
+    assert info.size == 4 and info.etag == raw["ETag"].strip('"')
+    assert info.mtime == raw["LastModified"].timestamp()
+    assert info.metadata == {"k": "v"}
+    assert d.files[0].etag == info.etag
+
+    with pytest.raises(StoreError) as ei:
+        store.head("nope")
+    assert ei.value.kind == "not_found" and ei.value.errno == errno.ENOENT
+    with pytest.raises(StoreError, match="must end with '/'"):
+        store.list_dir("d")
+
+
+def test_list_all_pages(store: S3Store) -> None:
+    names = [f"many/{i:05d}" for i in range(1005)]  # the server pages at 1000 keys
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: store.put_bytes(k, b""), names))
+    listing = store.list_dir("many/")
+    assert sorted(f.key for f in listing.files) == names
+
+
+def test_get_range_clipping_and_changes(store: S3Store, recorder: Recorder) -> None:
+    data = bytes(range(256)) * 40
+    info = store.put_bytes("obj", data)
+    assert store.get_range("obj", 0, len(data)) == data
+    assert store.get_range("obj", 100, 50) == data[100:150]
+    assert store.get_range("obj", len(data) - 10, 100) == data[-10:]  # clipped at EOF
+    assert store.get_range("obj", len(data) + 5, 10) == b""  # past EOF
+    assert store.get_range("obj", 3, 0) == b""
+    assert store.get_range("obj", 0, 1 << 40) == data  # buffer sized by the response
+    assert store.get_range("obj", 0, 10, etag=info.etag) == data[:10]
+
+    buf = bytearray(64)
+    assert store.get_range_into("obj", 10, 64, memoryview(buf), info.etag) == 64
+    assert bytes(buf) == data[10:74]
+
+    store.put_bytes("empty", b"")
+    assert store.get_range("empty", 0, 4096) == b""
+
+    store.put_bytes("obj", b"new contents")
+    with pytest.raises(StoreError) as ei:
+        store.get_range("obj", 0, 10, etag=info.etag)
+    assert ei.value.kind == "changed" and ei.value.errno == errno.ESTALE
+    with pytest.raises(StoreError) as ei:
+        store.get_range("gone", 0, 10)
+    assert ei.value.kind == "not_found" and ei.value.errno == errno.ENOENT
+    assert recorder.outcomes("get")[:3] == ["ok", "ok", "ok"]
+    assert ("get", "not_found") in [e[:2] for e in recorder.events]
+
+
+# -- writes ------------------------------------------------------------------------
+
+
+def test_put_file_single_and_multipart(
+    store: S3Store, s3_server: SeaweedServer, bucket: str, tmp_path: Path, recorder: Recorder
+) -> None:
+    c = s3_server.client()
+    small = tmp_path / "small"
+    small.write_bytes(os.urandom(1000))
+    info = store.put_file("s/small", str(small), metadata={"Class": "checkpoint"})
+    assert c.get_object(Bucket=bucket, Key="src/s/small")["Body"].read() == small.read_bytes()
+    assert info.size == 1000 and info.etag == store.head("s/small").etag
+    assert store.head("s/small").metadata == {"class": "checkpoint"}
+    assert "multipart" not in {e[0] for e in recorder.events}
+
+    big = tmp_path / "big"
+    big.write_bytes(os.urandom(20 * MiB + 123))
+    sent: list[int] = []
+    info = store.put_file("s/big", str(big), metadata={"a": "1"}, progress=sent.append)
+    body = c.get_object(Bucket=bucket, Key="src/s/big")["Body"].read()
+    assert body == big.read_bytes()
+    assert sum(sent) == info.size == big.stat().st_size and len(sent) == 5
+    assert info.etag == store.head("s/big").etag and info.etag.endswith("-5")
+    assert store.head("s/big").metadata == {"a": "1"}
+    assert recorder.outcomes("multipart").count("ok") == 7  # create + 5 parts + complete
+    assert not c.list_multipart_uploads(Bucket=bucket).get("Uploads")
+
+
+def test_part_size_grows_to_fit_10000_parts() -> None:
+    assert S3Store._part_size_for(20 * MiB, 1 * MiB) == 5 * MiB  # S3's minimum part
+    assert S3Store._part_size_for(50 << 30, 8 * MiB) == 8 * MiB
+    part = S3Store._part_size_for(100 << 30, 8 * MiB)
+    assert part % MiB == 0 and -(-(100 << 30) // part) <= 10_000 and part < 12 * MiB
+
+
+def test_conditional_puts(
+    store: S3Store, tmp_path: Path, s3_server: SeaweedServer, bucket: str
+) -> None:
+    assert store.probe_conditional_put() is True
+    assert store.supports_conditional_put is True
+
+    first = store.put_bytes("latest", b"step-1", if_none_match=True)
+    with pytest.raises(StoreError) as ei:
+        store.put_bytes("latest", b"step-x", if_none_match=True)
+    assert ei.value.kind == "precondition" and ei.value.errno == errno.ESTALE
+    second = store.put_bytes("latest", b"step-2", if_match=first.etag)
+    with pytest.raises(StoreError) as ei:
+        store.put_bytes("latest", b"step-3", if_match=first.etag)  # stale ETag loses
+    assert ei.value.kind == "precondition"
+    assert store.get_range("latest", 0, 100) == b"step-2"
+
+    # SeaweedFS honours the conditions on CompleteMultipartUpload too.
+    big = tmp_path / "big"
+    big.write_bytes(os.urandom(11 * MiB))
+    with pytest.raises(StoreError) as ei:
+        store.put_file("latest", str(big), if_match="0" * 32)
+    assert ei.value.kind == "precondition"
+    with pytest.raises(StoreError):
+        store.put_file("latest", str(big), if_none_match=True)
+    info = store.put_file("latest", str(big), if_match=second.etag)
+    assert store.head("latest").etag == info.etag
+    assert not s3_server.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
+    assert [f.key for f in store.list_dir("").files] == ["latest"]  # probe key cleaned up
+
+
+def test_copy_delete_and_metadata(store: S3Store) -> None:
+    src = store.put_bytes("m/src", b"x" * 100, metadata={"owner": "me"})
+    out = store.copy("m/src", "m/dst")
+    assert out.size == 100 and out.metadata == {"owner": "me"}
+    assert store.head("m/dst").metadata == {"owner": "me"}
+    assert store.get_range("m/dst", 0, 200) == b"x" * 100
+    assert src.etag == out.etag
+
+    # Multipart copy (UploadPartCopy) with the threshold lowered from 5 GiB.
+    data = os.urandom(12 * MiB)
+    store.put_bytes("m/big", data, metadata={"k": "v"})
+    store.multipart_copy_threshold = 8 * MiB
+    store.copy_part_size = 5 * MiB
+    out = store.copy("m/big", "m/big2")
+    assert out.etag.endswith("-3") and out.size == len(data)
+    assert store.get_range("m/big2", 0, len(data)) == data
+    assert store.head("m/big2").metadata == {"k": "v"}
+
+    store.delete("m/dst")
+    store.delete("m/dst")  # missing: not an error
+    with pytest.raises(StoreError) as ei:
+        store.head("m/dst")
+    assert ei.value.kind == "not_found"
+    with pytest.raises(StoreError) as ei:
+        store.copy("m/nope", "m/x")
+    assert ei.value.kind == "not_found"
+
+
+def test_odd_keys_do_not_crash(store: S3Store) -> None:
+    odd = ["a//b", "x/./y", "./x", "line\nbreak", "n/" + "z" * 300, "q/" + "é" * 130, "o", "o/p"]
+    accepted = []
+    for key in odd:
+        try:
+            store.put_bytes(key, b"1")
+            accepted.append(key)
+        except StoreError as exc:  # SeaweedFS refuses some of these; that must map cleanly
+            assert exc.kind == "invalid" and exc.errno in (errno.EINVAL, errno.ENAMETOOLONG)
+    assert "line\nbreak" in accepted and "o" in accepted
+
+    seen: list[str] = []
+
+    def walk(prefix: str, depth: int) -> None:
+        listing = store.list_dir(prefix)
+        seen.extend(f.key for f in listing.files)
+        for d in listing.dirs:
+            if depth < 5:
+                walk(prefix + d + "/", depth + 1)
+
+    walk("", 0)
+    assert "line\nbreak" in seen and "o" in seen and "o/p" in seen
+
+
+# -- retries -------------------------------------------------------------------------
+
+
+class _FakeS3(BaseHTTPRequestHandler):
+    """Scripted HTTP answers: a real S3 server cannot be made to fail on demand."""
+
+    protocol_version = "HTTP/1.1"
+    script: list[str] = []  # per request: "503" or "short" or "ok"; last entry repeats
+    hits: list[str] = []
+    body = bytes(range(100))
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        action = self.script[min(len(self.hits), len(self.script) - 1)]
+        self.hits.append(self.headers.get("Range", ""))
+        if action == "503":
+            err = b"<Error><Code>SlowDown</Code><Message>Reduce your rate</Message></Error>"
+            self.send_response(503)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(err)))
+            self.end_headers()
+            self.wfile.write(err)
+            return
+        first, last = (int(v) for v in self.headers["Range"].removeprefix("bytes=").split("-"))
+        last = min(last, len(self.body) - 1)
+        chunk = self.body[first : last + 1]
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {first}-{last}/{len(self.body)}")
+        self.send_header("Content-Length", str(len(chunk)))
+        self.send_header("ETag", '"fake-etag"')
+        self.end_headers()
+        if action == "short":  # promise the whole range, send half, hang up
+            self.wfile.write(chunk[: len(chunk) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        self.wfile.write(chunk)
+
+
+@pytest.fixture
+def fake_s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[_FakeS3]]:
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "fake",
+        "AWS_SECRET_ACCESS_KEY": "fake",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    handler = type("Handler", (_FakeS3,), {"script": [], "hits": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    handler.endpoint = f"http://127.0.0.1:{server.server_address[1]}"  # type: ignore[attr-defined]
+    try:
+        yield handler
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_throttling_retries_until_deadline(fake_s3: type[_FakeS3], recorder: Recorder) -> None:
+    fake_s3.script = ["503"]
+    store = open_store(
+        "s3://fake-bucket",
+        endpoint_url=fake_s3.endpoint,
+        deadline=2.0,
+        observer=recorder,  # type: ignore[attr-defined]
+    )
+    t0 = time.monotonic()
+    with pytest.raises(StoreError) as ei:
+        store.get_range("k", 0, 10)
+    elapsed = time.monotonic() - t0
+    assert ei.value.kind == "throttled" and ei.value.errno == errno.EIO
+    assert "HTTP 503 SlowDown" in str(ei.value) and "gave up after" in str(ei.value)
+    assert 2.0 <= elapsed < 4.0
+    outcomes = recorder.outcomes("get")
+    assert outcomes[-1] == "throttled" and outcomes.count("retry") >= 3
+    assert len(fake_s3.hits) == len(outcomes)
+
+
+def test_truncated_body_is_resumed(fake_s3: type[_FakeS3], recorder: Recorder) -> None:
+    fake_s3.script = ["503", "short", "ok"]
+    store = open_store("s3://fake-bucket", endpoint_url=fake_s3.endpoint, observer=recorder)  # type: ignore[attr-defined]
+    assert store.get_range("k", 10, 40) == fake_s3.body[10:50]
+    # The retry after the cut asks only for what is still missing.
+    assert fake_s3.hits == ["bytes=10-49", "bytes=10-49", "bytes=30-49"]
+    assert recorder.outcomes("get") == ["retry", "retry", "ok"]

@@ -1,0 +1,5 @@
+import sys
+
+from tierfs.cli import main
+
+sys.exit(main())

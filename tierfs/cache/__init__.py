@@ -1,0 +1,660 @@
+"""Tier 1: the node-local block cache (DESIGN §4).
+
+A blocking, thread-safe library: the daemon calls it from worker threads and
+every call is short. Layout of the cache dir (0700):
+
+  lock          flock()ed by the one process using the dir
+  index.lmdb/   records, chunk checksums, eviction order (index.py)
+  objects/<fid> one sparse file per object, same offsets as in the store (objects.py)
+
+Locks, in the only order they nest: Entry._mu, an LMDB write transaction,
+Cache._lock (a leaf: in-memory work only). Cache._evict_mu is taken with no
+other lock held. A key being loaded, evicted, removed or renamed is "claimed"
+(in `_busy`), which keeps opens and last releases of it waiting meanwhile.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import lmdb
+import xxhash
+
+from tierfs.cache.index import (
+    CLEAN,
+    DIRTY,
+    FORMAT_VERSION,
+    PROBATION,
+    STORED,
+    WRITTEN,
+    CachedObject,
+    Index,
+    Record,
+    key_hash,
+    order_key,
+)
+from tierfs.cache.objects import ChunkCorrupt, Entry, nchunks, punch_hole
+
+__all__ = [
+    "Cache",
+    "CacheBusy",
+    "CacheConflict",
+    "CacheStats",
+    "CacheUnwritable",
+    "CachedObject",
+    "ChunkCorrupt",
+    "Entry",
+]
+
+_FID_NAME = re.compile(r"[0-9a-f]{32}")
+_STASH_BYTES = 16 << 20  # verified bitmaps kept for closed objects (1 byte per chunk)
+
+
+class CacheBusy(Exception):
+    """Another process holds the cache dir."""
+
+
+class CacheUnwritable(Exception):
+    """The cache dir cannot be created or written; the message is one line."""
+
+
+class CacheConflict(Exception):
+    """The cache dir belongs to another source and still holds its pending uploads."""
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    used_bytes: int
+    capacity: int
+    objects: int
+    open_objects: int
+    evictions_total: int
+    evicted_bytes_total: int
+    corrupt_chunks_total: int
+
+
+class Cache:
+    """The cache dir of one mount. Call `bind` before `open`.
+
+    `chunk_size` applies when the dir is created; an existing cache keeps its own
+    (see `self.chunk_size`), so a config change never invalidates pending data.
+    """
+
+    def __init__(
+        self,
+        root: Path | str,
+        *,
+        capacity: int,
+        chunk_size: int = 1 << 20,
+        min_free: int = 1 << 30,
+    ) -> None:
+        if capacity <= 0 or chunk_size <= 0 or min_free < 0:
+            raise ValueError("capacity and chunk_size must be positive, min_free not negative")
+        self.root = Path(root)
+        self.objects_dir = self.root / "objects"
+        self.capacity = capacity
+        self.min_free = min_free
+        self._lock_fd = self._take_dir()
+        try:
+            self._index = Index(self.root / "index.lmdb")
+        except (OSError, lmdb.Error) as e:
+            os.close(self._lock_fd)
+            raise CacheUnwritable(f"cache dir {self.root}: cannot open index.lmdb: {e}") from None
+        try:
+            with self._index.write() as wt:
+                if wt.meta(b"version") is None:
+                    wt.set_meta(b"version", FORMAT_VERSION.to_bytes(4, "big"))
+                    wt.set_meta(b"chunk_size", chunk_size.to_bytes(8, "big"))
+                version = int.from_bytes(wt.meta(b"version"), "big")
+                self.chunk_size = int.from_bytes(wt.meta(b"chunk_size"), "big")
+                identity = wt.meta(b"identity")
+            if version != FORMAT_VERSION:
+                raise CacheUnwritable(
+                    f"cache dir {self.root}: index format {version} is not supported "
+                    f"(this tierfs writes {FORMAT_VERSION}); move the directory away"
+                )
+        except BaseException as e:
+            self._index.close()
+            os.close(self._lock_fd)
+            if isinstance(e, OSError):
+                raise CacheUnwritable(
+                    f"cache dir {self.root} is not writable: {e.strerror}"
+                ) from None
+            raise
+        self._identity = None if identity is None else identity.decode()
+        self._used = self._index.counter(b"used")
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._open: dict[bytes, Entry] = {}
+        self._busy: set[bytes] = set()
+        self._stashed: OrderedDict[bytes, bytearray] = OrderedDict()
+        self._stashed_bytes = 0
+        self._evict_mu = threading.Lock()
+        self._evictions = self._evicted_bytes = self._corrupt = 0
+        self._closed = False
+
+    def _take_dir(self) -> int:
+        """Create the dir 0700, take its lock, probe that it can hold sparse files."""
+        try:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(self.root, 0o700)
+            self.objects_dir.mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise CacheUnwritable(f"cache dir {self.root} is not writable: {e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CacheBusy(f"cache dir {self.root} is in use by another tierfs process") from None
+        except OSError as e:
+            os.close(fd)
+            raise CacheUnwritable(f"cache dir {self.root} cannot be locked: {e.strerror}") from None
+        probe = self.objects_dir / ".probe"
+        try:
+            pfd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.pwrite(pfd, b"\0" * 8192, 0)
+                punch_hole(pfd, 0, 4096)
+            finally:
+                os.close(pfd)
+                probe.unlink()
+        except OSError as e:
+            os.close(fd)
+            if e.errno == errno.EOPNOTSUPP:
+                raise CacheUnwritable(
+                    f"cache dir {self.root}: its filesystem cannot punch holes (sparse files needed)"
+                ) from None
+            raise CacheUnwritable(f"cache dir {self.root} is not writable: {e.strerror}") from None
+        return fd
+
+    def close(self) -> None:
+        """Persist what open entries learnt (uses, dirty sizes) and unlock the dir.
+        Entries are unusable afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            entries = list(self._open.values())
+            self._open.clear()
+        try:
+            for e in entries:
+                e._close(persist=True)
+        finally:
+            self._index.close()
+            os.close(self._lock_fd)
+
+    # -- identity ----------------------------------------------------------------
+
+    def bind(self, identity: str) -> bool:
+        """Tie the cache to one source (`Store.identity`). True if it already held
+        this source's data; False if it starts empty for it. Data of another source
+        is wiped, unless some of it still awaits upload (CacheConflict)."""
+        with self._lock:
+            if self._open:
+                raise RuntimeError("Cache.bind() while entries are open")
+        if self._identity == identity:
+            return True
+        if self._identity is not None or self._index.count():
+            pending = sum(1 for _, rec in self._index.records() if rec.state != CLEAN)
+            if pending:
+                raise CacheConflict(
+                    f"cache dir {self.root} holds {pending} pending upload(s) of another source "
+                    f"({self._identity}); flush them with that source mounted, or move the dir away"
+                )
+        with self._index.write() as wt:
+            wt.wipe()
+            wt.set_meta(b"identity", identity.encode())
+        self._account(wt.used_delta)
+        with self._lock:
+            self._stashed.clear()
+            self._stashed_bytes = 0
+        with os.scandir(self.objects_dir) as it:
+            for de in it:
+                self._unlink(de.name)
+        self._identity = identity
+        return False
+
+    # -- lookups -------------------------------------------------------------------
+
+    def lookup(self, key: str) -> CachedObject | None:
+        kh = key_hash(key)
+        with self._lock:
+            e = self._open.get(kh)
+        if e is not None:
+            return e.describe()
+        rec = self._index.record(kh)
+        return None if rec is None else rec.public()
+
+    def iter_objects(self, prefix: str = "") -> Iterator[CachedObject]:
+        """Every cached object whose key starts with `prefix` (a full index scan)."""
+        for kh, rec in self._index.records():
+            if rec.key.startswith(prefix):
+                with self._lock:
+                    e = self._open.get(kh)
+                yield rec.public() if e is None else e.describe()
+
+    def stats(self) -> CacheStats:
+        objects = self._index.count()
+        with self._lock:
+            return CacheStats(
+                used_bytes=self._used,
+                capacity=self.capacity,
+                objects=objects,
+                open_objects=len(self._open),
+                evictions_total=self._evictions,
+                evicted_bytes_total=self._evicted_bytes,
+                corrupt_chunks_total=self._corrupt,
+            )
+
+    # -- open / release ------------------------------------------------------------
+
+    def open(self, key: str, etag: str, size: int, mtime: float) -> Entry:
+        """Get or create the entry of (key, etag). Cached chunks of another etag are
+        dropped first (ETag validation); an open entry of an older version is
+        detached and keeps serving its holders. A dirty or sealed object is the newer
+        version and is returned as is (use its `size`). Each open needs a `release`."""
+        if self._identity is None:
+            raise RuntimeError("Cache.bind(identity) must come before open()")
+        if size < 0:
+            raise ValueError(f"negative size {size} for {key!r}")
+        e = self._acquire(key, (etag, size, mtime), touch=True)
+        assert e is not None
+        return e
+
+    def release(self, entry: Entry) -> None:
+        with self._lock:
+            if entry._refs <= 0:
+                raise ValueError(f"{entry.key!r}: released more often than opened")
+            entry._refs -= 1
+            while True:
+                if entry._refs:
+                    return
+                kh = entry._kh
+                if self._open.get(kh) is not entry:
+                    claimed = None
+                    break
+                if kh not in self._busy:
+                    del self._open[kh]
+                    self._busy.add(kh)
+                    claimed = kh
+                    break
+                self._cond.wait()
+        try:
+            entry._close(persist=claimed is not None)
+        finally:
+            if claimed is not None:
+                self._unclaim(claimed)
+
+    def _acquire(self, key: str, want: tuple[str, int, float] | None, touch: bool) -> Entry | None:
+        kh = key_hash(key)
+        now = time.time_ns()
+        with self._lock:
+            while kh in self._busy:
+                self._cond.wait()
+            old = self._open.get(kh)
+            if old is not None and (want is None or old._serves(want[0], want[1])):
+                old._refs += 1
+                if touch:
+                    old._touch(now)
+                return old
+            self._busy.add(kh)
+        loaded = None
+        try:
+            if old is not None:
+                self._detach(old)
+            loaded = self._load(kh, key, want, now if touch else None)
+            return loaded
+        finally:
+            with self._lock:
+                if loaded is not None:
+                    self._open[kh] = loaded
+                self._busy.discard(kh)
+                self._cond.notify_all()
+
+    def _load(
+        self, kh: bytes, key: str, want: tuple[str, int, float] | None, touch_ns: int | None
+    ) -> Entry | None:
+        """Build the entry of a claimed key from its record (or a new record)."""
+        rec = self._index.record(kh)
+        if (
+            rec is not None
+            and want is not None
+            and rec.state == CLEAN
+            and (rec.etag, rec.size) != want[:2]
+        ):
+            self._drop(kh)
+            rec = None
+        if rec is None:
+            return None if want is None else self._create(kh, key, *want, touch_ns=touch_ns)
+        fd = os.open(self.objects_dir / rec.fid.hex(), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if rec.state == DIRTY:
+                # Never sealed: the file itself is the truth, the record may lag behind.
+                size = os.fstat(fd).st_size
+                e = Entry(
+                    self,
+                    kh,
+                    rec,
+                    fd,
+                    bytearray((WRITTEN,)) * nchunks(size, self.chunk_size),
+                    size=size,
+                    cached=rec.cached,
+                    touch_ns=touch_ns,
+                    reused=True,
+                )
+                e._resize(size)
+                return e
+            n = nchunks(rec.size, self.chunk_size)
+            states = self._unstash(rec.fid, n)
+            if states is None:
+                states = bytearray(n)
+                for i in self._index.present_chunks(rec.fid):
+                    if i < n:
+                        states[i] = STORED
+            if os.fstat(fd).st_size != rec.size:
+                # The file was lost or cut: whatever the index says, its chunks are gone.
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, rec.size)
+                with self._index.write() as wt:
+                    cur = wt.record(kh)
+                    wt.drop_all_chunks(rec.fid)
+                    rec = replace(cur, cached=0)
+                    wt.put(kh, cur, rec)
+                self._account(wt.used_delta)
+                states = bytearray(n)
+            return Entry(
+                self,
+                kh,
+                rec,
+                fd,
+                states,
+                size=rec.size,
+                cached=rec.cached,
+                touch_ns=touch_ns,
+                reused=True,
+            )
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _create(
+        self, kh: bytes, key: str, etag: str, size: int, mtime: float, *, touch_ns: int | None
+    ) -> Entry:
+        assert self._identity is not None
+        now = time.time_ns()
+        # Named by a hash of source, key and etag; the random tail keeps a key that
+        # comes back (after a rename or removal) off a file still held elsewhere.
+        name = "\0".join((self._identity, key, etag)).encode("utf-8", "surrogateescape")
+        fid = xxhash.xxh3_128_digest(name + os.urandom(8))
+        rec = Record(fid, key, etag, size, mtime, 0, now, now, CLEAN, PROBATION)
+        with self._index.write() as wt:
+            wt.put(kh, None, rec)
+        fd = os.open(
+            self.objects_dir / fid.hex(), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600
+        )
+        try:
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return Entry(
+            self,
+            kh,
+            rec,
+            fd,
+            bytearray(nchunks(size, self.chunk_size)),
+            size=size,
+            cached=0,
+            touch_ns=touch_ns,
+            reused=False,
+        )
+
+    # -- dropping objects ------------------------------------------------------------
+
+    def evict(self, key: str) -> bool:
+        """Drop an object's cached data. Refused (False) for dirty or sealed objects;
+        chunks of an open object being read right now stay."""
+        kh = key_hash(key)
+        with self._claimed(kh) as e:
+            if e is not None:
+                freed = e._drop_unpinned()
+                if freed < 0:
+                    return False
+                self._count_eviction(freed)
+                return True
+            with self._index.write() as wt:
+                rec = wt.record(kh)
+                if rec is not None and rec.state == CLEAN:
+                    wt.drop(kh, rec)
+            self._account(wt.used_delta)
+            if rec is None or rec.state != CLEAN:
+                return False
+            self._unlink(rec.fid.hex())
+            self._count_eviction(rec.cached)
+            return True
+
+    def remove(self, key: str) -> bool:
+        """Forget an object whatever its state (unlink, discarding a quarantined
+        file). Open entries of it are detached: their holders keep what they have."""
+        kh = key_hash(key)
+        with self._claimed(kh) as e:
+            if e is not None:
+                self._detach(e)
+                return True
+            return self._drop(kh) is not None
+
+    def rename(self, old_key: str, new_key: str) -> bool:
+        """Move an object's record to another key (a pending file's rename is just
+        this); whatever `new_key` held is removed. False if `old_key` is unknown."""
+        okh, nkh = key_hash(old_key), key_hash(new_key)
+        if okh == nkh:
+            return self.lookup(old_key) is not None
+        first, second = sorted((okh, nkh))
+        with self._claimed(first) as e1, self._claimed(second) as e2:
+            src, dst = (e1, e2) if first == okh else (e2, e1)
+            if src is None and self._index.record(okh) is None:
+                return False
+            if dst is not None:
+                self._detach(dst)
+            else:
+                self._drop(nkh)
+            with src._mu if src is not None else nullcontext():
+                with self._index.write() as wt:
+                    rec = wt.record(okh)
+                    assert rec is not None
+                    wt.put(okh, rec, None)
+                    wt.put(nkh, None, replace(rec, key=new_key))
+                if src is not None:
+                    src.key, src._kh = new_key, nkh
+            if src is not None:
+                with self._lock:
+                    del self._open[okh]
+                    self._open[nkh] = src
+            return True
+
+    def _drop(self, kh: bytes) -> Record | None:
+        """Forget a claimed, unopened object: records first, then its file."""
+        with self._index.write() as wt:
+            rec = wt.record(kh)
+            if rec is not None:
+                wt.drop(kh, rec)
+        self._account(wt.used_delta)
+        if rec is not None:
+            self._unlink(rec.fid.hex())
+        return rec
+
+    def _detach(self, e: Entry) -> None:
+        """Cut an open entry of a claimed key loose (see Entry._detach)."""
+        e._detach()
+        with self._lock:
+            if self._open.get(e._kh) is e:
+                del self._open[e._kh]
+        self._unlink(e._fid.hex())
+
+    def _unlink(self, name: str) -> None:
+        with self._lock:
+            states = (
+                self._stashed.pop(bytes.fromhex(name), None) if _FID_NAME.fullmatch(name) else None
+            )
+            if states is not None:
+                self._stashed_bytes -= len(states)
+        (self.objects_dir / name).unlink(missing_ok=True)
+
+    # -- integrity -------------------------------------------------------------------
+
+    def verify_all(self) -> list[tuple[str, list[int]]]:
+        """Check every checksummed chunk of every object against its file, drop the
+        bad ones, and remove files no record names. Returns [(key, bad chunks)]."""
+        report = []
+        for _, rec in self._index.records():
+            if rec.state == DIRTY:
+                continue
+            e = self._acquire(rec.key, None, touch=False)
+            if e is None:
+                continue
+            try:
+                bad = e._verify()
+            finally:
+                self.release(e)
+            if bad:
+                report.append((e.key, bad))
+        self.collect_orphans()
+        return report
+
+    def collect_orphans(self) -> int:
+        """Delete object files without a record (left by a crash between a record
+        change and its file change). Returns how many. A scan of the index: run it
+        in the background, not on the mount path."""
+        with os.scandir(self.objects_dir) as it:
+            names = {de.name for de in it if _FID_NAME.fullmatch(de.name)}
+        for _, rec in self._index.records():
+            names.discard(rec.fid.hex())
+        for name in names:
+            self._unlink(name)
+        return len(names)
+
+    # -- eviction ---------------------------------------------------------------------
+
+    def _deficit(self) -> int:
+        """Bytes to free: over capacity, or under the free-space floor."""
+        with self._lock:
+            over = self._used - self.capacity
+        if not self.min_free:
+            return over
+        st = os.statvfs(self.root)
+        return max(over, self.min_free - st.f_bavail * st.f_frsize)
+
+    def _make_room(self, current: Entry | None) -> None:
+        """Evict until within bounds: whole unopened objects in policy order, then
+        chunks of open ones (`current` first: a file bigger than the cache sheds its
+        own past), never dirty or sealed data."""
+        if self._deficit() <= 0:
+            return
+        with self._evict_mu:
+            need = self._deficit()
+            while need > 0 and (victim := self._claim_victim()) is not None:
+                need -= self._evict_claimed(*victim)
+            if need <= 0:
+                return
+            with self._lock:
+                others = sorted(
+                    (e for e in self._open.values() if e is not current), key=lambda e: e._access_ns
+                )
+            for e in [current, *others] if current is not None else others:
+                freed = e._shed(need)
+                if freed:
+                    self._count_eviction(freed)
+                    need -= freed
+                    if need <= 0:
+                        return
+
+    def _claim_victim(self) -> tuple[bytes, bytes] | None:
+        for okey in self._index.order_keys():
+            kh = okey[9:]
+            with self._lock:
+                if kh in self._open or kh in self._busy:
+                    continue
+                self._busy.add(kh)
+            return okey, kh
+        return None
+
+    def _evict_claimed(self, okey: bytes, kh: bytes) -> int:
+        try:
+            with self._index.write() as wt:
+                rec = wt.record(kh)
+                if rec is None or rec.state != CLEAN or order_key(kh, rec) != okey:
+                    wt.delete_order_key(okey)  # left over from a lost transaction
+                    rec = None
+                else:
+                    wt.drop(kh, rec)
+            self._account(wt.used_delta)
+        finally:
+            self._unclaim(kh)
+        if rec is None:
+            return 0
+        self._unlink(rec.fid.hex())
+        self._count_eviction(rec.cached)
+        return rec.cached
+
+    # -- small shared helpers ---------------------------------------------------------
+
+    @contextmanager
+    def _claimed(self, kh: bytes) -> Iterator[Entry | None]:
+        """Hold a key exclusively; yields its open entry, if any."""
+        with self._lock:
+            while kh in self._busy:
+                self._cond.wait()
+            self._busy.add(kh)
+            e = self._open.get(kh)
+        try:
+            yield e
+        finally:
+            self._unclaim(kh)
+
+    def _unclaim(self, kh: bytes) -> None:
+        with self._lock:
+            self._busy.discard(kh)
+            self._cond.notify_all()
+
+    def _account(self, delta: int) -> None:
+        if delta:
+            with self._lock:
+                self._used += delta
+
+    def _count_eviction(self, nbytes: int) -> None:
+        with self._lock:
+            self._evictions += 1
+            self._evicted_bytes += nbytes
+
+    def _count_corrupt(self, n: int) -> None:
+        with self._lock:
+            self._corrupt += n
+
+    def _stash(self, fid: bytes, states: bytearray) -> None:
+        """Keep a closed object's bitmap, verified marks included, for its next open.
+        Sound because a closed object's chunks only change by dropping it whole,
+        which discards the stash (`_unlink`)."""
+        with self._lock:
+            old = self._stashed.pop(fid, None)
+            self._stashed_bytes += len(states) - (len(old) if old is not None else 0)
+            self._stashed[fid] = states
+            while self._stashed_bytes > _STASH_BYTES:
+                self._stashed_bytes -= len(self._stashed.popitem(last=False)[1])
+
+    def _unstash(self, fid: bytes, n: int) -> bytearray | None:
+        with self._lock:
+            states = self._stashed.pop(fid, None)
+            if states is not None:
+                self._stashed_bytes -= len(states)
+        return states if states is not None and len(states) == n else None

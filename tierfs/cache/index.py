@@ -1,0 +1,299 @@
+"""LMDB index of the tier-1 cache (DESIGN §4).
+
+One environment, four sub-databases. Every key is a fixed-size hash, so object
+keys of any length fit (LMDB keys stop at 511 bytes):
+
+  objects  key_hash(16)                          -> Record
+  chunks   file_id(16) + chunk_index(4, BE)      -> xxh3_64 digest (8)
+  order    segment(1) + rank_ns(8, BE) + key_hash(16) -> b""   (clean objects only)
+  meta     version, identity, chunk_size, used, protected
+
+`order` is the eviction order itself (see eviction.py); `used` and `protected`
+are running byte totals kept exact by `WriteTxn.put`, so opening a cache with
+a million objects reads two numbers instead of scanning.
+
+Commits do not fsync (`sync=False`): read-cache records are cheap to lose and
+every chunk is checksummed, so a record that outlived its data after a power
+loss is caught on first read. State changes that must survive (sealing a
+write-back file) call `Index.sync()`. No `writemap`: with a shared writable map
+a full disk arrives as SIGBUS instead of ENOSPC.
+"""
+
+from __future__ import annotations
+
+import errno
+import struct
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+import xxhash
+
+FORMAT_VERSION = 1
+CLEAN, DIRTY, SEALED = 0, 1, 2
+STATE_NAMES = ("clean", "dirty", "sealed")
+PROBATION, PROTECTED = 0, 1  # segments; eviction.py owns the policy
+# Per-chunk states in an open Entry's in-memory bitmap (the index itself only
+# stores checksums): STORED has a checksum not yet verified by this process.
+ABSENT, STORED, VERIFIED, WRITTEN = 0, 1, 2, 3
+
+_HDR = struct.Struct("<16sQQdQQBBHH")
+_I64 = struct.Struct("<q")
+
+
+def key_hash(key: str) -> bytes:
+    return xxhash.xxh3_128_digest(key.encode("utf-8", "surrogateescape"))
+
+
+def chunk_key(fid: bytes, index: int) -> bytes:
+    return fid + index.to_bytes(4, "big")
+
+
+def order_key(kh: bytes, rec: Record) -> bytes:
+    return bytes((rec.seg,)) + rec.rank_ns.to_bytes(8, "big") + kh
+
+
+@dataclass(frozen=True)
+class CachedObject:
+    """What the index knows about one object (degraded mode, `tierfs cache ls`)."""
+
+    key: str
+    etag: str
+    size: int
+    mtime: float
+    cached_bytes: int
+    last_access: float
+    state: str  # "clean" | "dirty" | "sealed"
+
+
+@dataclass(slots=True)
+class Record:
+    fid: bytes  # names the sparse file: objects/<fid hex>
+    key: str
+    etag: str
+    size: int
+    mtime: float
+    cached: int  # bytes of present chunks (the whole size while dirty/sealed)
+    access_ns: int  # last use, wall clock
+    rank_ns: int  # position inside its segment (demotion moves it, access does not lie)
+    state: int
+    seg: int
+
+    def encode(self) -> bytes:
+        k = self.key.encode("utf-8", "surrogateescape")
+        e = self.etag.encode("utf-8", "surrogateescape")
+        head = _HDR.pack(
+            self.fid,
+            self.size,
+            self.cached,
+            self.mtime,
+            self.access_ns,
+            self.rank_ns,
+            self.state,
+            self.seg,
+            len(k),
+            len(e),
+        )
+        return head + k + e
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Record:
+        fid, size, cached, mtime, access, rank, state, seg, kl, el = _HDR.unpack_from(raw)
+        o = _HDR.size
+        key = raw[o : o + kl].decode("utf-8", "surrogateescape")
+        etag = raw[o + kl : o + kl + el].decode("utf-8", "surrogateescape")
+        return cls(fid, key, etag, size, mtime, cached, access, rank, state, seg)
+
+    def public(self) -> CachedObject:
+        return CachedObject(
+            self.key,
+            self.etag,
+            self.size,
+            self.mtime,
+            self.cached,
+            self.access_ns / 1e9,
+            STATE_NAMES[self.state],
+        )
+
+
+def _protected_bytes(rec: Record | None) -> int:
+    return rec.cached if rec is not None and rec.state == CLEAN and rec.seg == PROTECTED else 0
+
+
+class WriteTxn:
+    """One LMDB write transaction. Every record change goes through `put`, which
+    keeps the order database and the byte totals consistent with the records."""
+
+    def __init__(self, index: Index, txn: lmdb.Transaction) -> None:
+        self.ix = index
+        self.txn = txn
+        self.used_delta = 0  # applied to the in-memory total after commit
+
+    def record(self, kh: bytes) -> Record | None:
+        raw = self.txn.get(kh, db=self.ix.objects)
+        return None if raw is None else Record.decode(raw)
+
+    def meta(self, name: bytes) -> bytes | None:
+        return self.txn.get(name, db=self.ix.meta)
+
+    def set_meta(self, name: bytes, value: bytes) -> None:
+        self.txn.put(name, value, db=self.ix.meta)
+
+    def counter(self, name: bytes) -> int:
+        raw = self.meta(name)
+        return 0 if raw is None else _I64.unpack(raw)[0]
+
+    def _bump(self, name: bytes, delta: int) -> None:
+        if delta:
+            self.set_meta(name, _I64.pack(self.counter(name) + delta))
+
+    def put(self, kh: bytes, old: Record | None, new: Record | None) -> None:
+        """Replace record `old` (as read in this txn, or None) by `new` (None deletes)."""
+        if old is not None and old.state == CLEAN:
+            self.txn.delete(order_key(kh, old), db=self.ix.order)
+        if new is not None:
+            self.txn.put(kh, new.encode(), db=self.ix.objects)
+            if new.state == CLEAN:
+                self.txn.put(order_key(kh, new), b"", db=self.ix.order)
+        elif old is not None:
+            self.txn.delete(kh, db=self.ix.objects)
+        du = (new.cached if new is not None else 0) - (old.cached if old is not None else 0)
+        self._bump(b"used", du)
+        self._bump(b"protected", _protected_bytes(new) - _protected_bytes(old))
+        self.used_delta += du
+
+    def delete_order_key(self, okey: bytes) -> None:
+        self.txn.delete(okey, db=self.ix.order)
+
+    def put_chunks(self, fid: bytes, first: int, digests: Iterable[bytes]) -> list[int]:
+        """Record digests for chunks first, first+1, ...; return the indexes that were new."""
+        new = []
+        for i, d in enumerate(digests, first):
+            if self.txn.replace(chunk_key(fid, i), d, db=self.ix.chunks) is None:
+                new.append(i)
+        return new
+
+    def drop_chunks(self, fid: bytes, indexes: Iterable[int]) -> list[int]:
+        """Delete chunk records; return the indexes that existed."""
+        return [i for i in indexes if self.txn.delete(chunk_key(fid, i), db=self.ix.chunks)]
+
+    def drop_all_chunks(self, fid: bytes) -> None:
+        cur = self.txn.cursor(db=self.ix.chunks)
+        if cur.set_range(fid):
+            while cur.key()[:16] == fid and cur.delete():
+                pass
+
+    def drop(self, kh: bytes, rec: Record) -> None:
+        """Forget an object: its record, order key and chunk records."""
+        self.drop_all_chunks(rec.fid)
+        self.put(kh, rec, None)
+
+    def wipe(self) -> None:
+        for db in (self.ix.objects, self.ix.chunks, self.ix.order):
+            self.txn.drop(db, delete=False)
+        self.used_delta -= self.counter(b"used")
+        self.set_meta(b"used", _I64.pack(0))
+        self.set_meta(b"protected", _I64.pack(0))
+
+
+class Index:
+    def __init__(self, path: Path, *, map_size: int = 64 << 30) -> None:
+        path.mkdir(mode=0o700, exist_ok=True)  # lmdb would give the directory the file mode
+        self.env = lmdb.open(
+            str(path),
+            map_size=map_size,
+            subdir=True,
+            max_dbs=4,
+            max_readers=1024,
+            sync=False,
+            metasync=False,
+            readahead=False,
+            mode=0o600,
+        )
+        self.env.reader_check()
+        self.objects = self.env.open_db(b"objects")
+        self.chunks = self.env.open_db(b"chunks")
+        self.order = self.env.open_db(b"order")
+        self.meta = self.env.open_db(b"meta")
+
+    def close(self) -> None:
+        self.env.sync(True)
+        self.env.close()
+
+    def sync(self) -> None:
+        """Make every committed transaction durable (journal-grade state changes)."""
+        self.env.sync(True)
+
+    def read(self) -> lmdb.Transaction:
+        return self.env.begin()
+
+    @contextmanager
+    def write(self) -> Iterator[WriteTxn]:
+        """A write transaction, committed on success. LMDB failures become OSError
+        (ENOSPC for a full disk or map) so callers handle one exception family."""
+        try:
+            with self.env.begin(write=True) as txn:
+                yield WriteTxn(self, txn)
+        except (lmdb.DiskError, lmdb.MapFullError) as e:
+            raise OSError(errno.ENOSPC, f"cache index: {e}") from e
+        except lmdb.Error as e:
+            raise OSError(errno.EIO, f"cache index: {e}") from e
+
+    def record(self, kh: bytes) -> Record | None:
+        with self.read() as txn:
+            raw = txn.get(kh, db=self.objects)
+        return None if raw is None else Record.decode(raw)
+
+    def counter(self, name: bytes) -> int:
+        with self.read() as txn:
+            raw = txn.get(name, db=self.meta)
+        return 0 if raw is None else _I64.unpack(raw)[0]
+
+    def digests(self, fid: bytes, indexes: Iterable[int]) -> dict[int, bytes]:
+        with self.read() as txn:
+            out = {}
+            for i in indexes:
+                d = txn.get(chunk_key(fid, i), db=self.chunks)
+                if d is not None:
+                    out[i] = d
+            return out
+
+    def present_chunks(self, fid: bytes) -> Iterator[int]:
+        """Indexes with a checksum record: one cursor range scan (loads a bitmap lazily)."""
+        with self.read() as txn:
+            cur = txn.cursor(db=self.chunks)
+            if not cur.set_range(fid):
+                return
+            for k in cur.iternext(values=False):
+                if k[:16] != fid:
+                    return
+                yield int.from_bytes(k[16:20], "big")
+
+    def records(self, batch: int = 1024) -> Iterator[tuple[bytes, Record]]:
+        """Every record, read in short transactions so a slow consumer pins no pages."""
+        after = b""
+        while True:
+            rows = []
+            with self.read() as txn:
+                cur = txn.cursor(db=self.objects)
+                found = cur.set_range(after) if after else cur.first()
+                if found and after and cur.key() == after:
+                    found = cur.next()
+                while found and len(rows) < batch:
+                    rows.append((bytes(cur.key()), Record.decode(cur.value())))
+                    found = cur.next()
+            yield from rows
+            if len(rows) < batch:
+                return
+            after = rows[-1][0]
+
+    def order_keys(self) -> Iterator[bytes]:
+        """The eviction order, least valuable first (probation before protected, by rank)."""
+        with self.read() as txn:
+            yield from txn.cursor(db=self.order).iternext(values=False)
+
+    def count(self) -> int:
+        with self.read() as txn:
+            return txn.stat(self.objects)["entries"]

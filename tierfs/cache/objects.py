@@ -1,0 +1,694 @@
+"""Sparse object files and the Entry handle (DESIGN §4, §5).
+
+An object's bytes live in objects/<fid hex> at the same offsets as in the store;
+absent chunks are holes. An Entry is the shared, ref-counted handle of one open
+object: a kept-open fd plus an in-memory chunk-state bitmap, so serving a read is
+a bitmap check and one preadv, with no LMDB write and no global lock.
+
+Locking: `_mu` guards the bitmap, the pins and the mirrored record fields. Read
+and store I/O happen outside it; the chunks involved are pinned meanwhile, so
+eviction never punches a hole under a pread/pwrite. Write-back (dirty) I/O runs
+under `_mu`, which keeps the file length and the bitmap in step. Lock order:
+Entry._mu, then an LMDB write transaction, then Cache._lock (a leaf).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from functools import partial
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from tierfs.cache.eviction import shed_order
+from tierfs.cache.eviction import use as record_use
+from tierfs.cache.index import (
+    ABSENT,
+    CLEAN,
+    DIRTY,
+    PROBATION,
+    SEALED,
+    STATE_NAMES,
+    STORED,
+    VERIFIED,
+    WRITTEN,
+    CachedObject,
+    Record,
+    WriteTxn,
+)
+
+if TYPE_CHECKING:
+    from tierfs.cache import Cache
+
+
+class ChunkCorrupt(Exception):
+    """Cached chunks whose bytes no longer match their checksum (torn write, bit rot).
+    They are already dropped: fetch them again."""
+
+    def __init__(self, key: str, chunks: list[int]) -> None:
+        super().__init__(f"{key}: checksum mismatch in cached chunk(s) {chunks}; dropped")
+        self.key = key
+        self.chunks = chunks
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_fallocate = _libc.fallocate
+_fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+
+_ABSENT_RUN = re.compile(bytes((ABSENT,)) + b"+")
+_CHECKSUMMED = (STORED, VERIFIED)
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Free a byte range of a file; it reads back as zeros and the size stays."""
+    if length > 0 and _fallocate(fd, _PUNCH_HOLE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _pread(fd: int, length: int, offset: int) -> bytes:
+    """Up to `length` bytes; shorter only at EOF."""
+    data = os.pread(fd, length, offset)
+    if len(data) == length or not data:
+        return data
+    parts = [data]
+    got = len(data)
+    while got < length and (more := os.pread(fd, length - got, offset + got)):
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
+
+
+def _preadv(fd: int, buf: memoryview, offset: int) -> int:
+    """Fill `buf` from `offset`; fewer bytes only at EOF."""
+    got = 0
+    while got < len(buf) and (n := os.preadv(fd, [buf[got:]], offset + got)):
+        got += n
+    return got
+
+
+def _runs(indexes: Iterable[int]) -> Iterator[tuple[int, int]]:
+    """Coalesce chunk indexes into half-open runs [a, b)."""
+    start = prev = None
+    for i in sorted(indexes):
+        if prev is not None and i == prev + 1:
+            prev = i
+            continue
+        if start is not None:
+            yield start, prev + 1
+        start = prev = i
+    if start is not None:
+        yield start, prev + 1
+
+
+def nchunks(size: int, chunk_size: int) -> int:
+    return -(-size // chunk_size)
+
+
+class Entry:
+    """The open handle of one cached object, shared by every open of it.
+
+    Public, read-only for callers: key, etag, size, mtime, path, chunk_size, state.
+    """
+
+    def __init__(
+        self,
+        cache: Cache,
+        kh: bytes,
+        rec: Record,
+        fd: int,
+        states: bytearray,
+        *,
+        size: int,
+        cached: int,
+        touch_ns: int | None,
+        reused: bool,
+    ) -> None:
+        self.key = rec.key
+        self.etag = rec.etag
+        self.size = size
+        self.mtime = rec.mtime
+        self.chunk_size = cache.chunk_size
+        self.path = cache.objects_dir / rec.fid.hex()
+        self._cache = cache
+        self._kh = kh
+        self._fid = rec.fid
+        self._fd = fd
+        self._mu = threading.Lock()
+        self._states = states
+        self._pins: dict[int, int] = {}
+        self._storing = 0  # store() calls in flight: going dirty waits for them
+        self._stores_done = threading.Condition(self._mu)
+        self._refs = 1
+        self._state = rec.state
+        self._cached = cached  # bytes held: the record's count plus `_pending`
+        self._pending = 0  # dirty growth not yet written to the record
+        self._detached = False  # removed or replaced while open: private to its holders
+        self._last = (-1, -1)  # chunk range of the most recent store (never shed)
+        self._touched = touch_ns is not None  # opened as a use (counts for eviction)
+        self._reused = reused
+        self._access_ns = rec.access_ns if touch_ns is None else touch_ns
+        self._sums: dict[int, bytes] = {}  # dirty: digests of chunks rewritten whole
+        self._hashers: dict[int, tuple[xxhash.xxh3_64, int]] = {}  # dirty: chunk -> (hash, bytes)
+
+    @property
+    def state(self) -> str:
+        return STATE_NAMES[self._state]
+
+    def describe(self) -> CachedObject:
+        with self._mu:
+            return CachedObject(
+                self.key,
+                self.etag,
+                self.size,
+                self.mtime,
+                self._cached,
+                self._access_ns / 1e9,
+                STATE_NAMES[self._state],
+            )
+
+    # -- read path ---------------------------------------------------------
+
+    def missing(self, start: int, end: int) -> list[tuple[int, int]]:
+        """Chunk-aligned byte ranges [a, b) absent within [start, end), end clipped
+        to the size, adjacent chunks coalesced: what the reader must fetch."""
+        cs = self.chunk_size
+        with self._mu:
+            size = self.size
+            start, end = max(start, 0), min(end, size)
+            if start >= end:
+                return []
+            runs = [
+                m.span()
+                for m in _ABSENT_RUN.finditer(self._states, start // cs, (end - 1) // cs + 1)
+            ]
+        return [(a * cs, min(b * cs, size)) for a, b in runs]
+
+    def present(self, start: int, end: int) -> bool:
+        cs = self.chunk_size
+        with self._mu:
+            start, end = max(start, 0), min(end, self.size)
+            return start >= end or self._states.find(ABSENT, start // cs, (end - 1) // cs + 1) < 0
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset+length), clipped at EOF. Every chunk must be present
+        (KeyError otherwise); a chunk is verified the first time this process serves
+        it, and a mismatch drops it and raises ChunkCorrupt."""
+        with self._serving(offset, length) as (n, check):
+            if not n:
+                return b""
+            data = _pread(self._fd, n, offset)
+            check(memoryview(data))
+            return data
+
+    def readinto(self, offset: int, buf: bytearray | memoryview) -> int:
+        """`read` into a caller's buffer (one preadv, no extra copy); returns the count."""
+        mv = memoryview(buf).cast("B")
+        with self._serving(offset, len(mv)) as (n, check):
+            if n:
+                view = mv[:n]
+                check(view[: _preadv(self._fd, view, offset)])
+            return n
+
+    @contextmanager
+    def _serving(
+        self, offset: int, length: int
+    ) -> Iterator[tuple[int, Callable[[memoryview], None]]]:
+        """Check presence and pin the chunks of a read; yields (clipped length, check)."""
+        if offset < 0 or length < 0:
+            raise ValueError(f"read({offset}, {length}): negative")
+        cs = self.chunk_size
+        with self._mu:
+            self._check_usable()
+            n = max(0, min(offset + length, self.size) - offset)
+            if not n:
+                lo = hi = 0
+                states = b""
+            else:
+                lo, hi = offset // cs, (offset + n - 1) // cs
+                states = bytes(self._states[lo : hi + 1])
+                if ABSENT in states:
+                    raise KeyError(f"{self.key!r}: chunks missing in [{offset}, {offset + n})")
+                self._pin(lo, hi)
+        try:
+            yield n, partial(self._check, offset, n, lo, states)
+        finally:
+            if n:
+                with self._mu:
+                    self._unpin(lo, hi)
+
+    def _check(self, offset: int, n: int, lo: int, states: bytes, got: memoryview) -> None:
+        """Verify chunks served for the first time (from `got` where it covers them
+        whole); a short read means the file lost data. Drop and raise on mismatch."""
+        if len(got) == n and STORED not in states:
+            return
+        cs = self.chunk_size
+        end = offset + len(got)
+        short = set(range(end // cs, lo + len(states))) if len(got) < n else set()
+        todo = [i for i, s in enumerate(states, lo) if s == STORED and i not in short]
+        inside = [i for i in todo if i * cs >= offset and i * cs + self._chunk_len(i) <= end]
+        want = self._digests(inside)
+        bad = sorted(short)
+        for i in inside:
+            a = i * cs - offset
+            if want.get(i) != xxhash.xxh3_64_digest(got[a : a + self._chunk_len(i)]):
+                bad.append(i)
+        bad += self._bad_chunks([i for i in todo if i not in inside])
+        if bad:
+            self._drop_corrupt(bad)
+            raise ChunkCorrupt(self.key, sorted(bad))
+        with self._mu:
+            for i in todo:
+                if self._states[i] == STORED:
+                    self._states[i] = VERIFIED
+
+    def _bad_chunks(self, indexes: list[int]) -> list[int]:
+        """Read whole chunks back from the file and compare with their checksums."""
+        if not indexes:
+            return []
+        want = self._digests(indexes)
+        cs = self.chunk_size
+        return [
+            i
+            for i in indexes
+            if want.get(i) != xxhash.xxh3_64_digest(_pread(self._fd, self._chunk_len(i), i * cs))
+        ]
+
+    def _digests(self, indexes: list[int]) -> dict[int, bytes]:
+        """Recorded checksums. A detached entry's records are gone (its flag is set
+        before they go): its unverified chunks count as missing, not as corrupt."""
+        want = self._cache._index.digests(self._fid, indexes)
+        if len(want) < len(indexes) and self._detached:
+            raise KeyError(f"{self.key!r}: chunks dropped from the cache while being read")
+        return want
+
+    def _drop_corrupt(self, bad: list[int]) -> None:
+        with self._mu:
+            if self._fd >= 0:
+                self._discard([i for i in set(bad) if self._states[i] in _CHECKSUMMED])
+        self._cache._count_corrupt(len(set(bad)))
+
+    def _verify(self, batch: int = 64) -> list[int]:
+        """Re-check every checksummed chunk against the file (`Cache.verify_all`)."""
+        with self._mu:
+            todo = [i for i, s in enumerate(self._states) if s in _CHECKSUMMED]
+        bad: list[int] = []
+        for k in range(0, len(todo), batch):
+            with self._mu:
+                group = [i for i in todo[k : k + batch] if self._states[i] in _CHECKSUMMED]
+                for i in group:
+                    self._pin(i, i)
+            try:
+                found = self._bad_chunks(group)
+            except KeyError:
+                found = None  # detached meanwhile: nothing left to check against
+            finally:
+                with self._mu:
+                    for i in group:
+                        self._unpin(i, i)
+            if found is None:
+                break
+            with self._mu:
+                for i in group:
+                    if i not in found and self._states[i] == STORED:
+                        self._states[i] = VERIFIED
+            bad += found
+        if bad:
+            self._drop_corrupt(bad)
+        return bad
+
+    # -- fill path -----------------------------------------------------------
+
+    def store(self, offset: int, data: bytes | bytearray | memoryview) -> None:
+        """Cache fetched bytes: `offset` chunk-aligned, `data` whole chunks (the last
+        may end at EOF). Checksums go to the index in one transaction; then eviction
+        runs if the cache is over its capacity or under its free-space floor."""
+        mv = memoryview(data).cast("B")
+        cs = self.chunk_size
+        end = offset + len(mv)
+        if (
+            offset < 0
+            or offset % cs
+            or not mv
+            or end > self.size
+            or (len(mv) % cs and end != self.size)
+        ):
+            raise ValueError(
+                f"store({offset}, {len(mv)} bytes) into {self.key!r} (size {self.size}): "
+                f"not whole chunks of {cs}"
+            )
+        lo, hi = offset // cs, (end - 1) // cs
+        digests = [xxhash.xxh3_64_digest(mv[o : o + cs]) for o in range(0, len(mv), cs)]
+        with self._mu:
+            self._check_usable()
+            if self._state != CLEAN:
+                raise ValueError(f"store() into {self.state} {self.key!r}: it is written locally")
+            self._pin(lo, hi)
+            self._storing += 1
+        try:
+            _pwrite_all(self._fd, mv, offset)
+            with self._mu:
+                if not self._detached:
+                    with self._cache._index.write() as wt:
+                        rec = self._record(wt)
+                        added = sum(map(self._chunk_len, wt.put_chunks(self._fid, lo, digests)))
+                        wt.put(self._kh, rec, replace(rec, cached=rec.cached + added))
+                    self._cache._account(wt.used_delta)
+                    self._cached += added
+                self._states[lo : hi + 1] = bytes((VERIFIED,)) * (hi - lo + 1)
+                self._last = (lo, hi)
+        finally:
+            with self._mu:
+                self._unpin(lo, hi)
+                self._storing -= 1
+                if not self._storing:
+                    self._stores_done.notify_all()
+        self._cache._make_room(self)
+
+    # -- write-back hooks ------------------------------------------------------
+
+    def write(self, offset: int, data: bytes | bytearray | memoryview) -> int:
+        """Change the local copy in place at any offset and length. The entry becomes
+        dirty (never evicted); it must be fully cached first (ValueError otherwise).
+        Writing past EOF leaves zeros in between, as POSIX does."""
+        mv = memoryview(data).cast("B")
+        if offset < 0:
+            raise ValueError(f"write at negative offset {offset}")
+        with self._mu:
+            self._check_usable()
+            self._make_dirty(self.size)
+            grew = offset + len(mv) > self.size
+            if mv:
+                try:
+                    _pwrite_all(self._fd, mv, offset)
+                except OSError:
+                    # Part of it may have landed (ENOSPC): no running checksum may
+                    # vouch for those chunks, and the file keeps its known length.
+                    self._forget_hashes(
+                        offset // self.chunk_size, (offset + len(mv) - 1) // self.chunk_size
+                    )
+                    if grew:
+                        os.ftruncate(self._fd, self.size)
+                    raise
+                self._hash(offset, mv)
+                if grew:
+                    self._resize(offset + len(mv))
+        if grew and mv:
+            self._cache._make_room(None)
+        return len(mv)
+
+    def truncate(self, size: int) -> None:
+        """Set the local copy's length (zeros when growing); the entry becomes dirty.
+        Only the part that survives must be cached."""
+        if size < 0:
+            raise ValueError(f"truncate to negative size {size}")
+        with self._mu:
+            self._check_usable()
+            self._make_dirty(min(size, self.size))
+            grew = size > self.size
+            os.ftruncate(self._fd, size)
+            self._resize(size)
+        if grew:
+            self._cache._make_room(None)
+
+    def set_state(self, state: str, *, etag: str | None = None, mtime: float | None = None) -> None:
+        """Write-back lifecycle, persisted in the index:
+        "dirty": being written (write/truncate do this themselves);
+        "sealed": closed or fsynced: the file is fsynced, chunk checksums are
+        recorded and the index is synced, so it survives a crash; upload pending;
+        "clean": uploaded: an ordinary cached object again, under the store's `etag`.
+        Dirty and sealed objects are never evicted."""
+        if state not in STATE_NAMES:
+            raise ValueError(f"unknown cache state {state!r}")
+        code = STATE_NAMES.index(state)
+        with self._mu:
+            self._check_usable()
+            if self._detached:
+                raise ValueError(f"{self.key!r} was removed from the cache")
+            if code == DIRTY:
+                self._make_dirty(self.size)
+            elif code == SEALED:
+                self._seal()
+            elif self._state == DIRTY:
+                raise ValueError(f"{self.key!r} is dirty: seal it before marking it clean")
+            if code == CLEAN or etag is not None or mtime is not None:
+                now = time.time_ns()
+                with self._cache._index.write() as wt:
+                    rec = self._record(wt)
+                    new = replace(
+                        rec,
+                        etag=rec.etag if etag is None else etag,
+                        mtime=rec.mtime if mtime is None else mtime,
+                    )
+                    if code == CLEAN and rec.state != CLEAN:
+                        new = replace(new, state=CLEAN, seg=PROBATION, rank_ns=now, access_ns=now)
+                    wt.put(self._kh, rec, new)
+                self._cache._account(wt.used_delta)
+                self._state, self.etag, self.mtime = new.state, new.etag, new.mtime
+            if code != DIRTY:
+                self._cache._index.sync()
+
+    def _make_dirty(self, keep: int) -> None:
+        """Enter the dirty state. The first `keep` bytes stay (the rest is about to be
+        cut), so they must be present, and are verified if not yet: their old
+        checksums stop protecting them from here on. Stores in flight finish first:
+        fetched bytes landing later would overwrite local ones."""
+        while self._storing and self._state != DIRTY:
+            self._stores_done.wait()
+        if self._state == DIRTY:
+            return
+        if self._detached:
+            raise ValueError(f"{self.key!r} was removed from the cache")
+        n = nchunks(keep, self.chunk_size)
+        if self._states.find(ABSENT, 0, n) >= 0:
+            raise ValueError(f"{self.key!r} is not fully cached: fetch it before writing")
+        bad = self._bad_chunks([i for i in range(n) if self._states[i] == STORED])
+        if bad:
+            self._discard(bad)
+            self._cache._count_corrupt(len(bad))
+            raise ChunkCorrupt(self.key, bad)
+        with self._cache._index.write() as wt:
+            rec = self._record(wt)
+            wt.put(self._kh, rec, replace(rec, state=DIRTY))
+        self._cache._account(wt.used_delta)
+        self._state = DIRTY
+        self._states[:n] = bytes((WRITTEN,)) * n
+
+    def _hash(self, offset: int, data: memoryview) -> None:
+        """Keep running checksums of chunks written front to back, so sealing a file
+        written sequentially reads nothing back."""
+        cs = self.chunk_size
+        while data:
+            i, s = divmod(offset, cs)
+            part = data[: cs - s]
+            self._sums.pop(i, None)
+            prior = self._hashers.pop(i, None)
+            h = (
+                xxhash.xxh3_64()
+                if s == 0
+                else prior[0]
+                if prior is not None and prior[1] == s
+                else None
+            )
+            if h is not None:
+                h.update(part)
+                if s + len(part) == cs:
+                    self._sums[i] = h.digest()
+                else:
+                    self._hashers[i] = (h, s + len(part))
+            offset += len(part)
+            data = data[len(part) :]
+
+    def _forget_hashes(self, lo: int, hi: int) -> None:
+        for i in range(lo, hi + 1):
+            self._sums.pop(i, None)
+            self._hashers.pop(i, None)
+
+    def _resize(self, size: int) -> None:
+        """Dirty length change: bitmap, running checksums and byte accounting."""
+        n = nchunks(size, self.chunk_size)
+        if size < self.size:
+            del self._states[n:]
+            cs = self.chunk_size
+            for i in [i for i, (_, got) in self._hashers.items() if i * cs + got > size]:
+                del self._hashers[i]
+            for i in [i for i in self._sums if (i + 1) * cs > size]:
+                del self._sums[i]
+        else:
+            self._states.extend(bytes((WRITTEN,)) * (n - len(self._states)))
+        self.size = size
+        delta, self._cached = size - self._cached, size
+        if not self._detached:
+            self._pending += delta
+            self._cache._account(delta)
+
+    def _seal(self) -> None:
+        if self._state == SEALED:
+            return
+        if self._state != DIRTY:
+            raise ValueError(f"{self.key!r} is {self.state}: only a dirty entry can be sealed")
+        os.fsync(self._fd)
+        digests = [self._sealed_digest(i) for i in range(len(self._states))]
+        with self._cache._index.write() as wt:
+            rec = self._record(wt)
+            wt.drop_all_chunks(self._fid)
+            wt.put_chunks(self._fid, 0, digests)
+            wt.put(self._kh, rec, replace(rec, state=SEALED, size=self.size, cached=self._cached))
+        self._cache._account(wt.used_delta - self._pending)
+        self._pending = 0
+        self._state = SEALED
+        self._states[:] = bytes((VERIFIED,)) * len(self._states)
+        self._sums.clear()
+        self._hashers.clear()
+
+    def _sealed_digest(self, i: int) -> bytes:
+        length = self._chunk_len(i)
+        if length == self.chunk_size and i in self._sums:
+            return self._sums[i]
+        running = self._hashers.get(i)
+        if running is not None and running[1] == length:
+            return running[0].digest()
+        return xxhash.xxh3_64_digest(_pread(self._fd, length, i * self.chunk_size))
+
+    # -- used by Cache ---------------------------------------------------------
+
+    def _serves(self, etag: str, size: int) -> bool:
+        """Whether an open of (etag, size) gets this entry: local data always wins."""
+        return self._state != CLEAN or (self.etag == etag and self.size == size)
+
+    def _touch(self, now_ns: int) -> None:
+        self._touched = self._reused = True
+        self._access_ns = now_ns
+
+    def _shed(self, amount: int) -> int:
+        """Give back about `amount` bytes of this open object's chunks (eviction's
+        last resort), in `shed_order`, skipping pinned chunks. Returns bytes freed."""
+        with self._mu:
+            if self._fd < 0 or self._detached or self._state != CLEAN:
+                return 0
+            picked, total = [], 0
+            for i in shed_order(self._states, *self._last):
+                if i not in self._pins:
+                    picked.append(i)
+                    total += self._chunk_len(i)
+                    if total >= amount:
+                        break
+            return self._discard(picked)
+
+    def _drop_unpinned(self) -> int:
+        """Drop every cached chunk not being read or stored right now (`Cache.evict`)."""
+        with self._mu:
+            if self._state != CLEAN or self._fd < 0:
+                return -1
+            return self._discard(
+                [i for i, s in enumerate(self._states) if s in _CHECKSUMMED and i not in self._pins]
+            )
+
+    def _discard(self, indexes: list[int]) -> int:
+        """Punch chunks out of the file, then forget them (caller holds `_mu`): a crash
+        in between leaves records of zeroed chunks, which verification catches."""
+        if not indexes:
+            return 0
+        cs = self.chunk_size
+        for a, b in _runs(indexes):
+            punch_hole(self._fd, a * cs, min(b * cs, self.size) - a * cs)
+        freed = sum(map(self._chunk_len, indexes))
+        if not self._detached:
+            with self._cache._index.write() as wt:
+                rec = self._record(wt)
+                gone = sum(map(self._chunk_len, wt.drop_chunks(self._fid, indexes)))
+                wt.put(self._kh, rec, replace(rec, cached=rec.cached - gone))
+            self._cache._account(wt.used_delta)
+        self._cached -= freed
+        for i in indexes:
+            self._states[i] = ABSENT
+        return freed
+
+    def _detach(self) -> Record | None:
+        """Cut this entry loose from the index (removed, or replaced by a newer
+        version): holders keep reading what is verified. Returns the dropped record."""
+        with self._mu:
+            self._detached = True
+            self._states[:] = self._states.replace(bytes((STORED,)), bytes((ABSENT,)))
+            with self._cache._index.write() as wt:
+                rec = wt.record(self._kh)
+                if rec is not None and rec.fid == self._fid:
+                    wt.drop(self._kh, rec)
+                else:
+                    rec = None
+            self._cache._account(wt.used_delta - self._pending)
+            self._pending = 0
+            return rec
+
+    def _close(self, persist: bool) -> None:
+        """Last release: write back the use (eviction order) and dirty growth, close
+        the fd, and leave the verified bitmap with the cache for the next open."""
+        with self._mu:
+            if self._fd < 0:
+                return
+            try:
+                if persist and not self._detached and (self._touched or self._pending):
+                    self._persist()
+            finally:
+                os.close(self._fd)
+                self._fd = -1
+            if not self._detached and self._state != DIRTY and VERIFIED in self._states:
+                self._cache._stash(self._fid, self._states)
+
+    def _persist(self) -> None:
+        cache = self._cache
+        now = time.time_ns()  # a use lasts until its last release
+        with cache._index.write() as wt:
+            rec = self._record(wt)
+            if self._state == CLEAN:
+                record_use(
+                    wt, self._kh, rec, access_ns=now, reused=self._reused, capacity=cache.capacity
+                )
+            else:
+                wt.put(
+                    self._kh, rec, replace(rec, size=self.size, cached=self._cached, access_ns=now)
+                )
+        cache._account(wt.used_delta - self._pending)
+        self._pending = 0
+        self._touched = False
+
+    # -- helpers ------------------------------------------------------------------
+
+    def _record(self, wt: WriteTxn) -> Record:
+        rec = wt.record(self._kh)
+        if rec is None or rec.fid != self._fid:
+            raise RuntimeError(f"cache record of open {self.key!r} vanished")
+        return rec
+
+    def _chunk_len(self, i: int) -> int:
+        return min(self.chunk_size, self.size - i * self.chunk_size)
+
+    def _check_usable(self) -> None:
+        if self._fd < 0:
+            raise ValueError(f"{self.key!r}: cache entry used after its last release")
+
+    def _pin(self, lo: int, hi: int) -> None:
+        for i in range(lo, hi + 1):
+            self._pins[i] = self._pins.get(i, 0) + 1
+
+    def _unpin(self, lo: int, hi: int) -> None:
+        for i in range(lo, hi + 1):
+            left = self._pins[i] - 1
+            if left:
+                self._pins[i] = left
+            else:
+                del self._pins[i]

@@ -1,0 +1,126 @@
+"""Control socket: one Unix socket per mount, JSON lines, 0600.
+
+The CLI talks to a daemon only through here. The socket's path is published
+as the `user.tierfs.control` xattr of the mount root, so any tool that knows
+the mountpoint can find it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+CONTROL_XATTR = "user.tierfs.control"
+MAX_REQUEST = 1 << 20
+SUN_PATH_MAX = 100
+
+
+class ControlError(Exception):
+    """The daemon could not be reached or refused the request (one-line message)."""
+
+
+def socket_path(cache_dir: Path) -> Path:
+    """Inside the cache dir (0700) unless that path is too long for a Unix socket."""
+    path = cache_dir / "control.sock"
+    if len(os.fsencode(path)) <= SUN_PATH_MAX:
+        return path
+    digest = hashlib.sha256(os.fsencode(cache_dir)).hexdigest()[:16]
+    base = Path(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/tierfs-{os.getuid()}")
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return base / f"{digest}.sock"
+
+
+class ControlServer:
+    def __init__(self, path: Path, handlers: dict[str, Handler]) -> None:
+        self.path = path
+        self.handlers = handlers
+
+    async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            await sock.bind(str(self.path))
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        sock.listen(16)
+        listener = trio.SocketListener(sock)
+        task_status.started()
+        try:
+            await trio.serve_listeners(self._client, [listener])
+        finally:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+
+    async def _client(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            buf = b""
+            while b"\n" not in buf:
+                chunk = await stream.receive_some(65536)
+                if not chunk:
+                    return
+                buf += chunk
+                if len(buf) > MAX_REQUEST:
+                    return
+            try:
+                request = json.loads(buf.split(b"\n", 1)[0])
+                handler = self.handlers[request["op"]]
+            except (ValueError, KeyError, TypeError):
+                await _send(stream, {"ok": False, "error": "bad request"})
+                return
+            try:
+                reply = await handler(request)
+                reply.setdefault("ok", True)
+            except Exception as exc:
+                log.exception("control %s failed", request.get("op"))
+                reply = {"ok": False, "error": str(exc)}
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await _send(stream, reply)
+
+
+async def _send(stream: trio.SocketStream, obj: dict[str, Any]) -> None:
+    await stream.send_all(json.dumps(obj).encode() + b"\n")
+
+
+def find_socket(mountpoint: str | Path) -> str:
+    try:
+        return os.getxattr(str(mountpoint), CONTROL_XATTR).decode()
+    except OSError as exc:
+        raise ControlError(f"{mountpoint}: not a live tierfs mount ({exc.strerror})") from None
+
+
+def request(sock_path: str, op: str, timeout: float | None = 30.0, **args: Any) -> dict[str, Any]:
+    """Send one request and wait for its reply (blocking; for the CLI)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect(sock_path)
+            s.sendall(json.dumps({"op": op, **args}).encode() + b"\n")
+            buf = b""
+            while b"\n" not in buf:
+                chunk = s.recv(65536)
+                if not chunk:
+                    raise ControlError("daemon closed the control connection")
+                buf += chunk
+        except TimeoutError:
+            raise ControlError(f"daemon did not answer {op!r} within {timeout:.0f}s") from None
+        except OSError as exc:
+            raise ControlError(f"cannot reach the daemon at {sock_path}: {exc.strerror}") from None
+    reply = json.loads(buf.split(b"\n", 1)[0])
+    if not reply.get("ok"):
+        raise ControlError(reply.get("error", "request failed"))
+    return reply

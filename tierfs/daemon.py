@@ -1,0 +1,276 @@
+"""Wires a mount together: one trio nursery owns every background task.
+
+Start-up order matters for the "bad input fails fast, leaves nothing behind"
+rule: everything that can be checked without mounting (source, mountpoint,
+cache dir, store reachability) is checked first; only then is the FUSE mount
+made, and readiness is reported once the mount answers a `stat`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyfuse3
+import trio
+
+from tierfs.cache import Cache, CacheBusy, CacheConflict, CacheUnwritable
+from tierfs.config import MountConfig
+from tierfs.control import ControlServer, socket_path
+from tierfs.fs import TierFS
+from tierfs.metrics import Metrics
+from tierfs.namespace import UNREACHABLE_KINDS, Namespace
+from tierfs.policy import Policy
+from tierfs.reader import Reader
+from tierfs.store import open_store
+from tierfs.store.base import Store, StoreError
+from tierfs.workers import Workers
+
+log = logging.getLogger(__name__)
+
+
+class MountError(Exception):
+    """A reason not to mount, shown to the user as one line."""
+
+
+def mounted_fs(mountpoint: Path) -> str | None:
+    """The filesystem type mounted exactly at `mountpoint`, if any."""
+    target = os.path.realpath(mountpoint)
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 3 and parts[1].encode().decode("unicode_escape") == target:
+                return parts[2]
+    return None
+
+
+def fusermount_unmount(mountpoint: Path, lazy: bool = False) -> bool:
+    args = ["fusermount3", "-uz" if lazy else "-u", str(mountpoint)]
+    try:
+        res = subprocess.run(args, capture_output=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return res.returncode == 0
+
+
+def check_mountpoint(mountpoint: Path) -> None:
+    fstype = mounted_fs(mountpoint)
+    if fstype is not None:
+        stale = False
+        try:
+            os.stat(mountpoint)
+        except OSError as exc:
+            stale = exc.errno == errno.ENOTCONN
+        if stale and fstype.startswith("fuse") and fusermount_unmount(mountpoint, lazy=True):
+            log.warning("cleaned a stale mount left at %s by a dead daemon", mountpoint)
+        else:
+            raise MountError(f"mountpoint {mountpoint} is already mounted ({fstype})")
+    if not mountpoint.exists():
+        raise MountError(f"mountpoint {mountpoint} does not exist")
+    if not mountpoint.is_dir():
+        raise MountError(f"mountpoint {mountpoint} is not a directory")
+
+
+def default_capacity(cache_dir: Path, min_free: int) -> int:
+    st = os.statvfs(cache_dir)
+    free = st.f_bavail * st.f_frsize
+    return max(int((free - min_free) * 0.8), 256 << 20)
+
+
+def set_kernel_readahead(mountpoint: Path, kb: int) -> None:
+    """Ask the kernel for big FUSE reads (DESIGN §3.5); best effort."""
+    dev = os.stat(mountpoint).st_dev
+    path = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
+    try:
+        path.write_text(str(kb))
+    except OSError as exc:
+        log.info("could not set %s to %d (%s); reads stay at the kernel default", path, kb, exc.strerror)
+
+
+class Daemon:
+    def __init__(self, cfg: MountConfig) -> None:
+        self.cfg = cfg
+        self.metrics = Metrics()
+        self.store: Store | None = None
+        self.cache: Cache | None = None
+        self.warnings: list[str] = []
+        self.start_degraded = False
+
+    def prepare(self) -> None:
+        """Every check that needs no mount; raises MountError with the reason."""
+        cfg = self.cfg
+        check_mountpoint(cfg.mountpoint)
+        try:
+            self.store = open_store(
+                cfg.source,
+                endpoint_url=cfg.endpoint_url,
+                part_size=cfg.part_size,
+                max_parallel=cfg.max_parallel_puts,
+                connect_timeout=cfg.connect_timeout,
+                read_timeout=cfg.read_timeout,
+                deadline=cfg.deadline,
+                observer=self.metrics.store_request,
+            )
+        except StoreError as exc:
+            raise MountError(str(exc)) from None
+        cache_dir = cfg.resolved_cache_dir()
+        try:
+            cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            capacity = cfg.cache_size or default_capacity(cache_dir, cfg.min_free)
+            self.cache = Cache(
+                cache_dir, capacity=capacity, chunk_size=cfg.chunk_size, min_free=cfg.min_free
+            )
+        except CacheBusy:
+            raise MountError(
+                f"cache dir {cache_dir} is in use by another tierfs mount; pass --cache-dir"
+            ) from None
+        except CacheUnwritable as exc:
+            raise MountError(str(exc)) from None
+        except OSError as exc:
+            raise MountError(f"cache dir {cache_dir} is not usable: {exc.strerror}") from None
+        try:
+            had_data = self.cache.bind(self.store.identity)
+        except CacheConflict as exc:
+            self.cache.close()
+            raise MountError(str(exc)) from None
+        self.metrics.cache_capacity.set(capacity)
+        try:
+            self.store.check()
+        except StoreError as exc:
+            if exc.kind in UNREACHABLE_KINDS and had_data:
+                msg = f"{exc}; mounting in degraded mode from the cache in {cache_dir}"
+                self.warnings.append(msg)
+                self.start_degraded = True
+                log.warning("%s", msg)
+            else:
+                self.cache.close()
+                raise MountError(str(exc)) from None
+
+    def run(self, on_ready: Callable[[list[str]], None]) -> None:
+        """Mount, serve until unmounted or signalled, then clean up."""
+        assert self.store is not None and self.cache is not None
+        cfg = self.cfg
+        try:
+            trio.run(self._main, on_ready)
+        finally:
+            self.cache.close()
+            log.info("tierfs stopped: %s", cfg.mountpoint)
+
+    async def _main(self, on_ready: Callable[[list[str]], None]) -> None:
+        assert self.store is not None and self.cache is not None
+        cfg = self.cfg
+        stop = trio.Event()
+        workers = Workers(
+            data_threads=min(cfg.max_parallel_gets, max(1, cfg.max_inflight_bytes // cfg.part_size)),
+            meta_threads=16,
+            disk_threads=8,
+        )
+        policy = Policy(cfg.rules, cfg.classes, cfg.default_class)
+        ctl_path = socket_path(cfg.resolved_cache_dir())
+        async with trio.open_nursery() as nursery:
+            reader = Reader(
+                self.store,
+                workers,
+                nursery,
+                part_size=cfg.part_size,
+                readahead_min=cfg.readahead_min,
+                observe_read=self.metrics.read_served,
+            )
+            ops: TierFS
+            ns = Namespace(
+                self.store, self.cache, policy, workers,
+                on_changed=lambda i: ops.invalidate(i), degraded=self.start_degraded,
+            )
+            ops = TierFS(
+                ns,
+                reader,
+                self.cache,
+                self.metrics,
+                control_path=str(ctl_path),
+                prefetch_globs=cfg.prefetch_globs,
+                prefetch_min_size=cfg.prefetch_min_size,
+            )
+            handlers = {
+                "status": lambda req: self._status(ns),
+                "unmount": lambda req: self._request_stop(stop),
+            }
+            await nursery.start(ControlServer(ctl_path, handlers).serve)
+            nursery.start_soon(self._collect_orphans)
+            options = set(pyfuse3.default_options)
+            options |= {f"fsname=tierfs:{self.store.url}", "subtype=tierfs", "ro", "noatime"}
+            if cfg.allow_other:
+                options.add("allow_other")
+            pyfuse3.init(ops, str(cfg.mountpoint), options)
+            try:
+                async with trio.open_nursery() as fuse_nursery:
+                    fuse_nursery.start_soon(self._serve_fuse, stop)
+                    fuse_nursery.start_soon(self._signals, stop)
+                    await self._wait_ready()
+                    await trio.to_thread.run_sync(
+                        set_kernel_readahead, cfg.mountpoint, cfg.kernel_read_ahead_kb
+                    )
+                    log.info("tierfs mounted %s at %s", self.store.url, cfg.mountpoint)
+                    on_ready(self.warnings)
+                    await stop.wait()
+                    fuse_nursery.cancel_scope.cancel()
+            finally:
+                pyfuse3.close(unmount=True)
+                nursery.cancel_scope.cancel()
+
+    async def _collect_orphans(self) -> None:
+        """Reclaim cache files a crash left without an index record (off the start-up path)."""
+        assert self.cache is not None
+        removed = await trio.to_thread.run_sync(self.cache.collect_orphans)
+        if removed:
+            log.info("removed %d orphaned cache file(s)", removed)
+
+    async def _serve_fuse(self, stop: trio.Event) -> None:
+        try:
+            await pyfuse3.main(min_tasks=4, max_tasks=64)
+        finally:
+            stop.set()
+
+    async def _signals(self, stop: trio.Event) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                log.info("signal received: unmounting")
+                stop.set()
+                return
+
+    async def _wait_ready(self) -> None:
+        """The mount counts as up once a stat of its root is answered by us."""
+        mp = str(self.cfg.mountpoint)
+        for _ in range(200):
+            try:
+                st = await trio.to_thread.run_sync(os.stat, mp)
+                if st.st_ino == pyfuse3.ROOT_INODE:
+                    return
+            except OSError:
+                pass
+            await trio.sleep(0.05)
+        raise MountError(f"mount at {mp} did not answer")
+
+    async def _request_stop(self, stop: trio.Event) -> dict[str, Any]:
+        stop.set()
+        return {"pid": os.getpid()}
+
+    async def _status(self, ns: Namespace) -> dict[str, Any]:
+        assert self.store is not None and self.cache is not None
+        stats = await trio.to_thread.run_sync(self.cache.stats)
+        self.metrics.cache_bytes.set(stats.used_bytes)
+        return {
+            "pid": os.getpid(),
+            "source": self.store.url,
+            "mountpoint": str(self.cfg.mountpoint),
+            "cache_dir": str(self.cfg.resolved_cache_dir()),
+            "degraded": ns.degraded,
+            "cache": {"used_bytes": stats.used_bytes, "capacity_bytes": stats.capacity,
+                      "objects": stats.objects},
+            "metrics": self.metrics.snapshot(),
+        }

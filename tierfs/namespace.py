@@ -1,0 +1,318 @@
+"""Inodes, dentries and the attribute/listing cache (DESIGN §6).
+
+Directories are key prefixes, files are objects. Inode numbers are stable for
+the life of a mount (a path keeps its inode unless it changes kind). What a
+listing or HEAD taught us is trusted for the class TTL of each entry; strict
+(manifest) paths are re-checked against the store on every lookup.
+
+When the store is unreachable, listings are answered from the objects the
+tier-1 index knows (degraded mode), so data read before stays reachable.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import stat
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import trio
+
+from tierfs.cache import Cache
+from tierfs.config import ClassSettings
+from tierfs.policy import Policy
+from tierfs.store.base import Listing, ObjectInfo, Store, StoreError
+from tierfs.workers import Workers
+
+log = logging.getLogger(__name__)
+
+ROOT_INODE = 1
+NAME_MAX = 255
+# A store that fails in one of these ways is "down": fall back to the index.
+UNREACHABLE_KINDS = frozenset({"unreachable", "timeout", "throttled"})
+DEGRADED_RETRY = 5.0  # seconds before a degraded listing is retried against the store
+
+
+@dataclass
+class Node:
+    inode: int
+    path: str  # '' for the root, else 'a/b' (no leading or trailing slash)
+    is_dir: bool
+    settings: ClassSettings
+    size: int = 0
+    mtime: float = 0.0
+    etag: str = ""
+    attr_expire: float = 0.0  # monotonic deadline of the attributes
+    children: dict[str, int] | None = None  # name -> inode, once listed
+    children_expire: float = -math.inf
+    lookups: int = 0  # kernel references (lookup counts minus forgets)
+    generation: int = 0  # bumped when the object behind the node changes
+
+    @property
+    def key(self) -> str:
+        """The object key (files) or key prefix (directories)."""
+        if self.is_dir:
+            return f"{self.path}/" if self.path else ""
+        return self.path
+
+
+@dataclass
+class _Pending:
+    done: trio.Event = field(default_factory=trio.Event)
+    error: BaseException | None = None
+
+
+def join(parent: str, name: str) -> str:
+    return f"{parent}/{name}" if parent else name
+
+
+def valid_name(name: str) -> bool:
+    """Whether a key segment can be a POSIX file name."""
+    return (
+        bool(name)
+        and name not in (".", "..")
+        and "\0" not in name
+        and len(name.encode("utf-8", "surrogateescape")) <= NAME_MAX
+    )
+
+
+class Namespace:
+    def __init__(
+        self,
+        store: Store,
+        cache: Cache,
+        policy: Policy,
+        workers: Workers,
+        *,
+        on_changed: Callable[[int], None] = lambda inode: None,
+        degraded: bool = False,
+    ) -> None:
+        self.store = store
+        self.cache = cache
+        self.policy = policy
+        self.workers = workers
+        self.on_changed = on_changed
+        self.degraded = degraded
+        self._nodes: dict[int, Node] = {}
+        self._by_path: dict[str, int] = {}
+        self._next_inode = ROOT_INODE + 1
+        self._listing: dict[int, _Pending] = {}
+        self._odd_logged: set[str] = set()
+        self.mount_time = time.time()
+        root = Node(ROOT_INODE, "", True, policy.settings(""), mtime=self.mount_time)
+        self._nodes[ROOT_INODE] = root
+        self._by_path[""] = ROOT_INODE
+
+    # -- table -----------------------------------------------------------------
+
+    def get(self, inode: int) -> Node:
+        try:
+            return self._nodes[inode]
+        except KeyError:
+            raise OSError(errno.ENOENT, "stale inode") from None
+
+    def _node_for(self, path: str, is_dir: bool) -> Node:
+        """The node of `path`, created if new; a change of kind gets a new inode."""
+        inode = self._by_path.get(path)
+        if inode is not None:
+            node = self._nodes[inode]
+            if node.is_dir == is_dir:
+                return node
+        node = Node(self._next_inode, path, is_dir, self.policy.settings(path))
+        if is_dir:
+            node.mtime = self.mount_time
+        self._next_inode += 1
+        self._nodes[node.inode] = node
+        self._by_path[path] = node.inode
+        return node
+
+    def _apply_info(self, node: Node, info: ObjectInfo, now: float) -> None:
+        """Record an object's attributes; tell the kernel layer when the bytes changed."""
+        changed = bool(node.etag) and node.etag != info.etag
+        node.size, node.mtime, node.etag = info.size, info.mtime, info.etag
+        node.attr_expire = now + node.settings.attr_ttl
+        if changed:
+            node.generation += 1
+            self.on_changed(node.inode)
+
+    def forget(self, items: Iterable[tuple[int, int]]) -> None:
+        for inode, count in items:
+            node = self._nodes.get(inode)
+            if node is not None:
+                node.lookups = max(0, node.lookups - count)
+
+    def _log_odd(self, key: str, why: str) -> None:
+        if key not in self._odd_logged:
+            self._odd_logged.add(key)
+            log.warning("skipping key %r: %s", key, why)
+
+    # -- store access ----------------------------------------------------------
+
+    async def _fetch_listing(self, node: Node) -> Listing:
+        try:
+            listing = await self.workers.meta(self.store.list_dir, node.key)
+        except StoreError as exc:
+            if exc.kind not in UNREACHABLE_KINDS:
+                raise
+            if not self.degraded:
+                log.warning("store unreachable (%s): serving listings from the cache index", exc)
+            self.degraded = True
+            return await self.workers.disk(self._listing_from_index, node.key)
+        if self.degraded:
+            log.info("store reachable again: leaving degraded mode")
+            self.degraded = degraded
+        return listing
+
+    def _listing_from_index(self, prefix: str) -> Listing:
+        files: list[ObjectInfo] = []
+        dirs: set[str] = set()
+        for obj in self.cache.iter_objects(prefix):
+            rest = obj.key[len(prefix) :]
+            if not rest:
+                continue
+            head, sep, _ = rest.partition("/")
+            if sep:
+                dirs.add(head)
+            else:
+                files.append(ObjectInfo(obj.key, obj.size, obj.etag, obj.mtime))
+        return Listing(files, sorted(dirs))
+
+    async def _refresh_children(self, node: Node) -> None:
+        """(Re)list a directory; concurrent callers share one LIST."""
+        pending = self._listing.get(node.inode)
+        if pending is not None:
+            await pending.done.wait()
+            if pending.error is not None:
+                raise pending.error
+            return
+        pending = self._listing[node.inode] = _Pending()
+        try:
+            listing = await self._fetch_listing(node)
+            self._install_listing(node, listing)
+        except BaseException as exc:
+            pending.error = exc
+            raise
+        finally:
+            del self._listing[node.inode]
+            pending.done.set()
+
+    def _install_listing(self, node: Node, listing: Listing) -> None:
+        now = time.monotonic()
+        children: dict[str, int] = {}
+        for name in listing.dirs:
+            if not valid_name(name):
+                self._log_odd(node.key + name + "/", "not a valid directory name")
+                continue
+            children[name] = self._node_for(join(node.path, name), True).inode
+        for info in listing.files:
+            name = info.key[len(node.key) :]
+            if not valid_name(name) or "/" in name:
+                self._log_odd(info.key, "not a valid file name")
+                continue
+            if name in children:
+                self._log_odd(info.key, "both an object and a prefix; the directory wins")
+                continue
+            child = self._node_for(info.key, False)
+            self._apply_info(child, info, now)
+            children[name] = child.inode
+        node.children = children
+        ttl = DEGRADED_RETRY if self.degraded else node.settings.list_ttl
+        node.children_expire = now + ttl
+
+    async def _head(self, path: str) -> ObjectInfo | None:
+        try:
+            return await self.workers.meta(self.store.head, path)
+        except StoreError as exc:
+            if exc.errno == errno.ENOENT:
+                return None
+            if exc.kind in UNREACHABLE_KINDS:
+                self.degraded = True
+            raise
+
+    # -- operations ------------------------------------------------------------
+
+    async def lookup(self, parent_inode: int, name: str) -> Node:
+        parent = self.get(parent_inode)
+        if not parent.is_dir:
+            raise OSError(errno.ENOTDIR, "not a directory")
+        if not valid_name(name):
+            raise OSError(errno.ENOENT, "no such entry")
+        path = join(parent.path, name)
+        settings = self.policy.settings(path)
+        now = time.monotonic()
+        if settings.revalidate_on_open:
+            node = await self._lookup_strict(parent, name, path)
+        else:
+            if parent.children is None or now >= parent.children_expire:
+                await self._refresh_children(parent)
+            assert parent.children is not None
+            inode = parent.children.get(name)
+            if inode is None:
+                raise OSError(errno.ENOENT, "no such entry")
+            node = self._nodes[inode]
+        node.lookups += 1
+        return node
+
+    async def _lookup_strict(self, parent: Node, name: str, path: str) -> Node:
+        """Manifest-class lookup: the store's word, never the listing cache."""
+        try:
+            info = await self._head(path)
+        except StoreError as exc:
+            if exc.kind not in UNREACHABLE_KINDS:
+                raise
+            cached = await self.workers.disk(self.cache.lookup, path)
+            if cached is None:
+                raise
+            info = ObjectInfo(cached.key, cached.size, cached.etag, cached.mtime)
+        if info is not None:
+            node = self._node_for(path, False)
+            self._apply_info(node, info, time.monotonic())
+        else:
+            # Not an object; perhaps a prefix. A listing of the parent decides.
+            await self._refresh_children(parent)
+            assert parent.children is not None
+            inode = parent.children.get(name)
+            if inode is None or not self._nodes[inode].is_dir:
+                if parent.children is not None:
+                    parent.children.pop(name, None)
+                raise OSError(errno.ENOENT, "no such entry")
+            node = self._nodes[inode]
+        if parent.children is not None:
+            parent.children[name] = node.inode
+        return node
+
+    async def getattr(self, inode: int) -> Node:
+        node = self.get(inode)
+        if node.is_dir or time.monotonic() < node.attr_expire:
+            return node
+        await self.revalidate(node)
+        return node
+
+    async def revalidate(self, node: Node) -> None:
+        """HEAD a file and take what the store says; ENOENT if it is gone."""
+        try:
+            info = await self._head(node.path)
+        except StoreError as exc:
+            if exc.kind in UNREACHABLE_KINDS and node.etag:
+                return  # degraded: keep serving what we know
+            raise
+        if info is None:
+            raise OSError(errno.ENOENT, "object no longer exists")
+        self._apply_info(node, info, time.monotonic())
+
+    async def readdir(self, inode: int) -> list[tuple[str, Node]]:
+        node = self.get(inode)
+        if not node.is_dir:
+            raise OSError(errno.ENOTDIR, "not a directory")
+        if node.children is None or time.monotonic() >= node.children_expire:
+            await self._refresh_children(node)
+        assert node.children is not None
+        return sorted((name, self._nodes[i]) for name, i in node.children.items())
+
+    def mode(self, node: Node) -> int:
+        if node.is_dir:
+            return stat.S_IFDIR | 0o755
+        return stat.S_IFREG | 0o644

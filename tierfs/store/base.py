@@ -1,0 +1,100 @@
+"""The one small protocol every object store adapter implements.
+
+Keys are always relative to the mount's source root (the adapter owns the
+bucket and prefix). Every method is blocking; callers run them in worker
+threads with a capacity limit. Failures surface as `StoreError` carrying an
+errno, so the FUSE layer can answer with it directly.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    etag: str  # without quotes
+    mtime: float  # seconds since the epoch
+    metadata: dict[str, str] = field(default_factory=dict)  # user metadata (HEAD only)
+
+
+@dataclass(frozen=True)
+class Listing:
+    """Direct children of one prefix: objects and sub-prefixes (names, no slash)."""
+
+    files: list[ObjectInfo]
+    dirs: list[str]
+
+
+class StoreError(Exception):
+    """A store failure already classified: `errno` for FUSE, `kind` for metrics.
+
+    kinds: not_found, no_bucket, access_denied, unreachable, precondition,
+    changed (ETag moved under a ranged read), throttled, timeout, io, invalid.
+    """
+
+    def __init__(self, message: str, *, errno_: int = errno.EIO, kind: str = "io"):
+        super().__init__(message)
+        self.errno = errno_
+        self.kind = kind
+
+
+# Called once per store request: (op, outcome, seconds, bytes). outcome is
+# "ok", "retry" or a StoreError kind. Used for metrics; must be cheap.
+RequestObserver = Callable[[str, str, float, int], None]
+
+
+class Store(Protocol):
+    url: str  # display form, never with secrets: s3://bucket/prefix or file:///path
+    identity: str  # stable id of (endpoint, bucket, prefix) for cache naming
+    supports_conditional_put: bool
+
+    def check(self) -> None:
+        """Verify the source exists and the credentials work; raise StoreError with a one-line reason."""
+
+    def head(self, key: str) -> ObjectInfo: ...
+
+    def list_dir(self, prefix: str) -> Listing:
+        """Children of `prefix` ('' or ending in '/'), all pages; excludes the marker `prefix` itself."""
+
+    def get_range(self, key: str, start: int, length: int, etag: str | None = None) -> bytes:
+        """Bytes [start, start+length) clipped at EOF. With `etag`, StoreError(kind='changed', ESTALE) if it moved."""
+
+    def get_range_into(
+        self, key: str, start: int, length: int, buf: memoryview, etag: str | None = None
+    ) -> int:
+        """As get_range, but into buf[:length] without an extra copy; the number of bytes read."""
+
+    def put_file(
+        self,
+        key: str,
+        path: str,
+        *,
+        metadata: dict[str, str] | None = None,
+        if_match: str | None = None,
+        if_none_match: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> ObjectInfo:
+        """Upload a local file (multipart with parallel parts when large). Conditional
+        failures raise StoreError(kind='precondition', errno ESTALE)."""
+
+    def put_bytes(
+        self,
+        key: str,
+        data: bytes,
+        *,
+        metadata: dict[str, str] | None = None,
+        if_match: str | None = None,
+        if_none_match: bool = False,
+    ) -> ObjectInfo: ...
+
+    def copy(self, src: str, dst: str) -> ObjectInfo:
+        """Server-side copy (multipart copy above 5 GiB)."""
+
+    def delete(self, key: str) -> None:
+        """Delete; deleting a missing key is not an error."""

@@ -1,0 +1,84 @@
+"""The one retry loop of the store layer: exponential backoff with full jitter.
+
+SDK-level retries are switched off so that every attempt is visible to the
+metrics observer and the whole operation is bounded by one deadline, however
+the attempts fail (5xx, throttling, resets, truncated bodies).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from tierfs.store.base import RequestObserver, StoreError
+
+T = TypeVar("T")
+
+log = logging.getLogger("tierfs.store")
+
+BASE_DELAY = 0.05  # first backoff ceiling, seconds
+MAX_DELAY = 5.0  # backoff ceiling never grows past this
+
+
+@dataclass(frozen=True)
+class Failure:
+    """How one failed attempt is classified."""
+
+    kind: str  # StoreError kind
+    errno: int
+    reason: str  # one line, never with credentials or signed URLs
+    retryable: bool
+
+
+def call_with_retries(
+    op: str,
+    what: str,
+    attempt: Callable[[], tuple[T, int]],
+    *,
+    deadline: float,
+    classify: Callable[[Exception], Failure | None],
+    observer: RequestObserver | None,
+) -> T:
+    """Run `attempt` until it succeeds, fails for good, or `deadline` seconds pass.
+
+    `attempt` returns (result, bytes transferred). `classify` maps an exception
+    to a Failure, or None to let it propagate untouched. Each attempt is
+    reported to `observer` as "ok", "retry" or the final error kind. `what`
+    names the target in the error message (e.g. "get 's3://b/k'").
+    """
+    start = time.monotonic()
+    end = start + deadline
+    tries = 0
+    while True:
+        tries += 1
+        t0 = time.monotonic()
+        try:
+            result, nbytes = attempt()
+        except Exception as exc:
+            failure = classify(exc)
+            if failure is None:
+                raise
+            now = time.monotonic()
+            # The last sleep is cut short so that one attempt lands at the deadline.
+            delay = min(
+                random.uniform(0.0, min(MAX_DELAY, BASE_DELAY * 2 ** (tries - 1))), end - now
+            )
+            if failure.retryable and delay > 0:
+                if observer is not None:
+                    observer(op, "retry", now - t0, 0)
+                log.debug("%s: %s; retry %d in %.2fs", what, failure.reason, tries, delay)
+                time.sleep(delay)
+                continue
+            if observer is not None:
+                observer(op, failure.kind, now - t0, 0)
+            message = f"{what}: {failure.reason}"
+            if failure.retryable:
+                message += f" (gave up after {tries} attempts in {now - start:.1f}s)"
+            raise StoreError(message, errno_=failure.errno, kind=failure.kind) from exc
+        if observer is not None:
+            observer(op, "ok", time.monotonic() - t0, nbytes)
+        return result

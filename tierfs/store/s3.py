@@ -1,0 +1,760 @@
+"""S3 adapter (boto3) for any S3-compatible service.
+
+One botocore client is shared by all worker threads (clients are thread-safe;
+sessions are not, so the session is only used at construction). botocore's own
+retries are off: every attempt goes through `retry.call_with_retries`, which
+reports it to the metrics observer and bounds the operation by one deadline.
+
+Conditional writes: PutObject takes If-Match / If-None-Match: *, and so does
+CompleteMultipartUpload (checked against SeaweedFS 4.48, which honours both on
+complete: 412 when the condition fails). A conditional multipart upload only
+checks the condition at completion, after all parts are sent. As with any S3
+client, a conditional PUT retried after a lost response can see its own write
+and report a spurious precondition failure.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from datetime import datetime
+from email.utils import parsedate_to_datetime
+from functools import partial
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import boto3
+from botocore.client import BaseClient
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionClosedError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    IncompleteReadError,
+    NoCredentialsError,
+    ReadTimeoutError,
+    ResponseStreamingError,
+)
+from botocore.exceptions import (
+    ConnectionError as BotoConnectionError,
+)
+
+from tierfs.store.base import Listing, ObjectInfo, RequestObserver, StoreError
+from tierfs.store.retry import Failure, call_with_retries
+
+log = logging.getLogger("tierfs.store")
+
+MIN_PART = 5 << 20  # S3's smallest part (all but the last)
+MAX_PARTS = 10_000
+CHECK_DEADLINE = 5.0  # check() gives up on an unreachable endpoint after about this long
+
+_THROTTLE_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests"}
+)
+_TRANSIENT_CODES = frozenset(
+    {"InternalError", "ServiceUnavailable", "RequestTimeout", "ConditionalRequestConflict"}
+)
+_DENIED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "AllAccessDisabled",
+    }
+)
+_NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "NoSuchUpload"})
+
+
+class _ShortBody(Exception):
+    """A response body shorter or longer than its range promised: retried."""
+
+
+def _strip_etag(etag: str) -> str:
+    return etag.strip('"')
+
+
+def _lower(metadata: dict[str, str] | None) -> dict[str, str]:
+    """User metadata as S3 returns it: names lowercased."""
+    return {k.lower(): v for k, v in (metadata or {}).items()}
+
+
+def _quote_etag(etag: str) -> str:
+    return f'"{_strip_etag(etag)}"'
+
+
+def _safe_endpoint(url: str) -> str:
+    """The endpoint for messages: scheme://host:port, never userinfo or a path query."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path.rstrip("/"), "", ""))
+
+
+def _connect_reason(exc: Exception) -> str:
+    """A short cause from a connection failure, without echoing URLs or proxies."""
+    text = str(getattr(exc, "kwargs", {}).get("error", "")) or str(exc)
+    for needle, reason in (
+        ("refused", "connection refused"),
+        ("Name or service not known", "cannot resolve host"),
+        ("nodename nor servname", "cannot resolve host"),
+        ("Temporary failure in name resolution", "cannot resolve host"),
+        ("No route to host", "no route to host"),
+        ("Network is unreachable", "network unreachable"),
+        ("reset by peer", "connection reset"),
+    ):
+        if needle in text:
+            return reason
+    return "connection failed"
+
+
+class S3Store:
+    """`Store` over one bucket and key prefix of an S3-compatible service."""
+
+    # Server-side copy switches to UploadPartCopy above this size (S3's CopyObject limit).
+    multipart_copy_threshold: int = 5 << 30
+    copy_part_size: int = 512 << 20
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        part_size: int = 8 << 20,
+        max_parallel: int = 8,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 30.0,
+        deadline: float = 30.0,
+        observer: RequestObserver | None = None,
+    ) -> None:
+        if part_size <= 0 or max_parallel <= 0 or deadline <= 0:
+            raise StoreError(
+                "part_size, max_parallel and deadline must be positive",
+                errno_=errno.EINVAL,
+                kind="invalid",
+            )
+        self.bucket = bucket
+        self.prefix = prefix
+        self.part_size = part_size
+        self.max_parallel = max_parallel
+        self.deadline = deadline
+        self.observer = observer
+        self._endpoint_arg = endpoint_url
+        self._connect_timeout = connect_timeout
+        self._session = boto3.session.Session()
+        self._session_lock = threading.Lock()  # sessions are not thread-safe; clients are
+        self._client = self._make_client(connect_timeout, read_timeout)
+        self.endpoint = _safe_endpoint(self._client.meta.endpoint_url)
+        self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+        self.identity = f"s3|{self.endpoint}|{bucket}|{prefix}"
+        self._conditional: bool | None = None
+        self._probe_lock = threading.Lock()
+
+    def _make_client(self, connect_timeout: float, read_timeout: float) -> BaseClient:
+        config = Config(
+            region_name=self._session.region_name or "us-east-1",
+            s3={"addressing_style": "path"},
+            retries={"total_max_attempts": 1, "mode": "standard"},  # ours: retry.py
+            max_pool_connections=self.max_parallel * 2 + 8,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            tcp_keepalive=True,
+            # Checksums only where the API demands them: S3-compatible servers
+            # differ in their support for the newer default trailing checksums.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        with self._session_lock:
+            return self._session.client("s3", endpoint_url=self._endpoint_arg, config=config)
+
+    # -- plumbing ---------------------------------------------------------------
+
+    def _full(self, key: str) -> str:
+        if not key:
+            raise StoreError("empty object key", errno_=errno.EINVAL, kind="invalid")
+        return self.prefix + key
+
+    def _what(self, op: str, key: str) -> str:
+        return f"{op} '{self.url.rstrip('/')}/{key}'"
+
+    def _classify(
+        self, exc: Exception, *, precondition_kind: str = "precondition"
+    ) -> Failure | None:
+        if isinstance(exc, StoreError):  # raised by an attempt itself: already classified
+            return Failure(exc.kind, exc.errno, str(exc), False)
+        if isinstance(exc, ClientError):
+            err = exc.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+            reason = f"HTTP {status} {code}".rstrip()
+            if status == 503 or status == 429 or code in _THROTTLE_CODES:
+                return Failure("throttled", errno.EIO, reason, True)
+            if status >= 500 or code in _TRANSIENT_CODES:
+                return Failure("io", errno.EIO, reason, True)
+            if code == "NoSuchBucket":
+                return Failure(
+                    "no_bucket", errno.ENOENT, f"bucket '{self.bucket}' does not exist", False
+                )
+            if status == 404 or code in _NOT_FOUND_CODES:
+                return Failure("not_found", errno.ENOENT, "no such object", False)
+            if status == 403 or code in _DENIED_CODES:
+                return Failure("access_denied", errno.EACCES, f"access denied ({code})", False)
+            if status == 412 or code == "PreconditionFailed":
+                return Failure(precondition_kind, errno.ESTALE, "precondition failed", False)
+            if code == "KeyTooLongError":
+                return Failure("invalid", errno.ENAMETOOLONG, reason, False)
+            if status == 400 or status == 405 or status == 501:
+                return Failure("invalid", errno.EINVAL, reason, False)
+            return Failure("io", errno.EIO, reason, False)
+        if isinstance(exc, ConnectTimeoutError):
+            return Failure(
+                "unreachable", errno.EIO, f"cannot reach {self.endpoint}: connect timeout", True
+            )
+        if isinstance(exc, EndpointConnectionError | BotoConnectionError):
+            return Failure(
+                "unreachable",
+                errno.EIO,
+                f"cannot reach {self.endpoint}: {_connect_reason(exc)}",
+                True,
+            )
+        if isinstance(exc, ReadTimeoutError):
+            return Failure("timeout", errno.EIO, f"read timeout from {self.endpoint}", True)
+        if isinstance(exc, ConnectionClosedError | ResponseStreamingError | IncompleteReadError):
+            return Failure("io", errno.EIO, "connection closed mid-response", True)
+        if isinstance(exc, _ShortBody):
+            return Failure("io", errno.EIO, f"truncated response: {exc}", True)
+        if isinstance(exc, NoCredentialsError):
+            return Failure(
+                "access_denied",
+                errno.EACCES,
+                "no AWS credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE",
+                False,
+            )
+        if isinstance(exc, BotoCoreError):
+            return Failure("io", errno.EIO, type(exc).__name__, False)
+        return None
+
+    def _call(
+        self,
+        op: str,
+        key: str,
+        attempt: Callable[[], tuple[Any, int]],
+        *,
+        precondition_kind: str = "precondition",
+    ) -> Any:
+        return call_with_retries(
+            op,
+            self._what(op, key),
+            attempt,
+            deadline=self.deadline,
+            classify=partial(self._classify, precondition_kind=precondition_kind),
+            observer=self.observer,
+        )
+
+    def _simple(
+        self,
+        op: str,
+        key: str,
+        method: Callable[..., dict[str, Any]],
+        nbytes: int = 0,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """One request with retries; the response dict."""
+        return self._call(op, key, lambda: (method(**kwargs), nbytes))
+
+    @staticmethod
+    def _conditions(if_match: str | None, if_none_match: bool) -> dict[str, str]:
+        if if_match is not None and if_none_match:
+            raise StoreError(
+                "if_match and if_none_match are exclusive", errno_=errno.EINVAL, kind="invalid"
+            )
+        if if_match is not None:
+            return {"IfMatch": _quote_etag(if_match)}
+        return {"IfNoneMatch": "*"} if if_none_match else {}
+
+    @staticmethod
+    def _response_time(resp: dict[str, Any]) -> float:
+        """Server time of a write response (its Date header): the new object's mtime without a HEAD."""
+        date = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        if date:
+            try:
+                return parsedate_to_datetime(date).timestamp()
+            except (TypeError, ValueError):
+                pass
+        return time.time()
+
+    # -- Store protocol ---------------------------------------------------------
+
+    def check(self) -> None:
+        """List one key under the prefix with a short deadline: proves endpoint, bucket, credentials."""
+        client = self._make_client(min(self._connect_timeout, 2.0), 5.0)
+        try:
+            call_with_retries(
+                "list",
+                f"check {self.url}",
+                lambda: (
+                    client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1),
+                    0,
+                ),
+                deadline=min(self.deadline, CHECK_DEADLINE),
+                classify=self._classify,
+                observer=self.observer,
+            )
+        except StoreError as exc:
+            kind = exc.kind
+            if kind in ("no_bucket", "not_found"):  # some servers send a bare 404
+                kind = "no_bucket"
+                msg = f"bucket '{self.bucket}' does not exist at {self.endpoint}"
+            elif exc.kind == "access_denied" and isinstance(exc.__cause__, ClientError):
+                msg = f"access denied to bucket '{self.bucket}': check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+            else:
+                cause = exc.__cause__
+                failure = self._classify(cause) if isinstance(cause, Exception) else None
+                msg = failure.reason if failure is not None else str(exc)
+            raise StoreError(msg, errno_=exc.errno, kind=kind) from exc.__cause__
+        finally:
+            client.close()
+
+    def head(self, key: str) -> ObjectInfo:
+        resp = self._simple(
+            "head", key, self._client.head_object, Bucket=self.bucket, Key=self._full(key)
+        )
+        return ObjectInfo(
+            key=key,
+            size=int(resp["ContentLength"]),
+            etag=_strip_etag(resp["ETag"]),
+            mtime=resp["LastModified"].timestamp(),
+            metadata=dict(resp.get("Metadata", {})),
+        )
+
+    def list_dir(self, prefix: str) -> Listing:
+        if prefix and not prefix.endswith("/"):
+            raise StoreError(
+                f"list prefix {prefix!r} must end with '/'", errno_=errno.EINVAL, kind="invalid"
+            )
+        full = self.prefix + prefix
+        files: list[ObjectInfo] = []
+        dirs: list[str] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full, "Delimiter": "/"}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self._simple("list", prefix, self._client.list_objects_v2, **kwargs)
+            for obj in page.get("Contents", ()):
+                if obj["Key"] == full:
+                    continue  # the directory marker itself
+                files.append(
+                    ObjectInfo(
+                        key=obj["Key"][len(self.prefix) :],
+                        size=int(obj["Size"]),
+                        etag=_strip_etag(obj.get("ETag", "")),
+                        mtime=obj["LastModified"].timestamp(),
+                    )
+                )
+            dirs.extend(p["Prefix"][len(full) : -1] for p in page.get("CommonPrefixes", ()))
+            token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
+            if not token:
+                return Listing(files=files, dirs=dirs)
+
+    def get_range(self, key: str, start: int, length: int, etag: str | None = None) -> bytes:
+        """As get_range_into, with a buffer sized by the response (a huge `length` is safe)."""
+        held: list[bytearray] = []
+
+        def alloc(size: int) -> memoryview:
+            held.append(bytearray(size))
+            return memoryview(held[0])
+
+        n = self._get(key, start, length, etag, alloc)
+        if not held:
+            return b""
+        return bytes(held[0]) if n == len(held[0]) else bytes(memoryview(held[0])[:n])
+
+    def get_range_into(
+        self, key: str, start: int, length: int, buf: memoryview, etag: str | None = None
+    ) -> int:
+        if len(buf) < length:
+            raise StoreError(
+                f"buffer of {len(buf)} bytes for a {length}-byte range",
+                errno_=errno.EINVAL,
+                kind="invalid",
+            )
+        return self._get(key, start, length, etag, lambda _size: buf)
+
+    def _get(
+        self,
+        key: str,
+        start: int,
+        length: int,
+        etag: str | None,
+        alloc: Callable[[int], memoryview],
+    ) -> int:
+        """Read [start, start+length) clipped at EOF into alloc(clipped length); the byte count.
+
+        A retry resumes after the bytes already received, pinned with If-Match
+        to the ETag of the first response so versions are never mixed.
+        """
+        if start < 0 or length < 0:
+            raise StoreError(
+                f"bad range start={start} length={length}", errno_=errno.EINVAL, kind="invalid"
+            )
+        full = self._full(key)
+        if length == 0:
+            return 0
+        end = start + length - 1
+        done = 0
+        pinned = etag
+        target: memoryview | None = None
+
+        def attempt() -> tuple[int, int]:
+            nonlocal done, pinned, target
+            pos = start + done
+            kwargs: dict[str, Any] = {
+                "Bucket": self.bucket,
+                "Key": full,
+                "Range": f"bytes={pos}-{end}",
+            }
+            if pinned:
+                kwargs["IfMatch"] = _quote_etag(pinned)
+            try:
+                resp = self._client.get_object(**kwargs)
+            except ClientError as exc:
+                if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416:
+                    return done, 0  # range starts at or past EOF (e.g. a zero-size object)
+                raise
+            body = resp["Body"]
+            try:
+                size = int(resp["ContentLength"])
+                content_range = resp.get("ContentRange")
+                if content_range:
+                    total = content_range.rsplit("/", 1)[1]
+                    expect = max(0, min(end + 1, int(total)) - pos) if total != "*" else size
+                elif pos == 0:  # server ignored Range and sent the whole object
+                    expect = min(length, size)
+                    size = expect
+                else:
+                    raise StoreError("server ignored the Range header", errno_=errno.EIO, kind="io")
+                if size != expect:
+                    raise _ShortBody(f"{size} bytes for a {expect}-byte range")
+                if pinned is None:
+                    pinned = _strip_etag(resp["ETag"])
+                if target is None:
+                    target = alloc(done + size)
+                view = target[done : done + size]
+                got = 0
+                while got < size:
+                    n = body.readinto(view[got:])
+                    if not n:
+                        raise _ShortBody(f"body ended after {got} of {size} bytes")
+                    got += n
+                    done += n
+                return done, got
+            finally:
+                body.close()
+
+        return self._call("get", key, attempt, precondition_kind="changed")
+
+    def put_bytes(
+        self,
+        key: str,
+        data: bytes,
+        *,
+        metadata: dict[str, str] | None = None,
+        if_match: str | None = None,
+        if_none_match: bool = False,
+    ) -> ObjectInfo:
+        kwargs = {
+            "Bucket": self.bucket,
+            "Key": self._full(key),
+            "Body": data,
+            "Metadata": metadata or {},
+            **self._conditions(if_match, if_none_match),
+        }
+        resp = self._simple("put", key, self._client.put_object, len(data), **kwargs)
+        return ObjectInfo(
+            key, len(data), _strip_etag(resp["ETag"]), self._response_time(resp), _lower(metadata)
+        )
+
+    def put_file(
+        self,
+        key: str,
+        path: str,
+        *,
+        metadata: dict[str, str] | None = None,
+        if_match: str | None = None,
+        if_none_match: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> ObjectInfo:
+        """Upload `path`: one PUT up to part_size, else a parallel multipart upload.
+
+        `progress(n)` is called once per acknowledged part (serialized, from
+        worker threads), so a retried part is never counted twice.
+        """
+        conditions = self._conditions(if_match, if_none_match)
+        full = self._full(key)
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if st.st_size <= self.part_size:
+                data = f.read()
+                if len(data) != st.st_size:
+                    raise StoreError(
+                        f"{path}: changed while uploading", errno_=errno.EIO, kind="io"
+                    )
+                info = self.put_bytes(
+                    key, data, metadata=metadata, if_match=if_match, if_none_match=if_none_match
+                )
+                if progress is not None:
+                    progress(len(data))
+                return info
+            return self._put_multipart(
+                key, full, f.fileno(), st, metadata or {}, conditions, progress
+            )
+
+    @staticmethod
+    def _part_size_for(size: int, base: int) -> int:
+        """`base` (at least S3's 5 MiB), grown in whole MiB to stay within 10,000 parts."""
+        part = max(base, MIN_PART)
+        if -(-size // part) > MAX_PARTS:
+            part = -(-size // (MAX_PARTS << 20)) << 20
+        return part
+
+    def _put_multipart(
+        self,
+        key: str,
+        full: str,
+        fd: int,
+        st: os.stat_result,
+        metadata: dict[str, str],
+        conditions: dict[str, str],
+        progress: Callable[[int], None] | None,
+    ) -> ObjectInfo:
+        size = st.st_size
+        part = self._part_size_for(size, self.part_size)
+        count = -(-size // part)
+        progress_lock = threading.Lock()
+
+        def send(number: int) -> dict[str, Any]:
+            offset = (number - 1) * part
+            data = os.pread(fd, min(part, size - offset), offset)
+            if len(data) != min(part, size - offset):
+                raise StoreError(
+                    f"{key}: local file shrank while uploading", errno_=errno.EIO, kind="io"
+                )
+            resp = self._simple(
+                "multipart",
+                key,
+                self._client.upload_part,
+                len(data),
+                Bucket=self.bucket,
+                Key=full,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=data,
+            )
+            if progress is not None:
+                with progress_lock:
+                    progress(len(data))
+            return {"PartNumber": number, "ETag": resp["ETag"]}
+
+        created = self._simple(
+            "multipart",
+            key,
+            self._client.create_multipart_upload,
+            Bucket=self.bucket,
+            Key=full,
+            Metadata=metadata,
+        )
+        upload_id: str = created["UploadId"]
+        try:
+            parts = self._run_parallel(send, count)
+            after = os.fstat(fd)
+            if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+                raise StoreError(
+                    f"{key}: local file changed while uploading", errno_=errno.EIO, kind="io"
+                )
+            resp = self._simple(
+                "multipart",
+                key,
+                self._client.complete_multipart_upload,
+                Bucket=self.bucket,
+                Key=full,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+                **conditions,
+            )
+        except BaseException:
+            self._abort(key, full, upload_id)
+            raise
+        return ObjectInfo(
+            key, size, _strip_etag(resp["ETag"]), self._response_time(resp), _lower(metadata)
+        )
+
+    def _run_parallel(
+        self, fn: Callable[[int], dict[str, Any]], count: int
+    ) -> list[dict[str, Any]]:
+        """fn(1..count) on up to max_parallel threads; the first failure cancels the rest."""
+        with ThreadPoolExecutor(
+            min(self.max_parallel, count), thread_name_prefix="tierfs-part"
+        ) as pool:
+            futures: list[Future[dict[str, Any]]] = [
+                pool.submit(fn, n) for n in range(1, count + 1)
+            ]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for fut in done:
+                exc = fut.exception()
+                if exc is not None:
+                    for other in futures:
+                        other.cancel()
+                    raise exc
+            return [fut.result() for fut in futures]
+
+    def _abort(self, key: str, full: str, upload_id: str) -> None:
+        try:
+            self._simple(
+                "multipart",
+                key,
+                self._client.abort_multipart_upload,
+                Bucket=self.bucket,
+                Key=full,
+                UploadId=upload_id,
+            )
+        except StoreError as exc:
+            log.warning("could not abort multipart upload of %s: %s", key, exc)
+
+    def copy(self, src: str, dst: str) -> ObjectInfo:
+        """Server-side copy pinned to the source's current ETag (412 if it moves meanwhile)."""
+        info = self.head(src)
+        source = {"Bucket": self.bucket, "Key": self._full(src)}
+        full = self._full(dst)
+        if info.size <= self.multipart_copy_threshold:
+            resp = self._simple(
+                "copy",
+                dst,
+                self._client.copy_object,
+                Bucket=self.bucket,
+                Key=full,
+                CopySource=source,
+                CopySourceIfMatch=_quote_etag(info.etag),
+            )
+            result = resp["CopyObjectResult"]
+            mtime = (
+                result["LastModified"].timestamp()
+                if isinstance(result.get("LastModified"), datetime)
+                else self._response_time(resp)
+            )
+            return ObjectInfo(
+                dst, info.size, _strip_etag(result["ETag"]), mtime, dict(info.metadata)
+            )
+
+        part = self._part_size_for(info.size, self.copy_part_size)
+        count = -(-info.size // part)
+
+        def send(number: int) -> dict[str, Any]:
+            first = (number - 1) * part
+            last = min(first + part, info.size) - 1
+            resp = self._simple(
+                "copy",
+                dst,
+                self._client.upload_part_copy,
+                Bucket=self.bucket,
+                Key=full,
+                UploadId=upload_id,
+                PartNumber=number,
+                CopySource=source,
+                CopySourceRange=f"bytes={first}-{last}",
+                CopySourceIfMatch=_quote_etag(info.etag),
+            )
+            return {"PartNumber": number, "ETag": resp["CopyPartResult"]["ETag"]}
+
+        created = self._simple(
+            "copy",
+            dst,
+            self._client.create_multipart_upload,
+            Bucket=self.bucket,
+            Key=full,
+            Metadata=info.metadata,
+        )
+        upload_id: str = created["UploadId"]
+        try:
+            parts = self._run_parallel(send, count)
+            resp = self._simple(
+                "copy",
+                dst,
+                self._client.complete_multipart_upload,
+                Bucket=self.bucket,
+                Key=full,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except BaseException:
+            self._abort(dst, full, upload_id)
+            raise
+        return ObjectInfo(
+            dst,
+            info.size,
+            _strip_etag(resp["ETag"]),
+            self._response_time(resp),
+            dict(info.metadata),
+        )
+
+    def delete(self, key: str) -> None:
+        try:
+            self._simple(
+                "delete", key, self._client.delete_object, Bucket=self.bucket, Key=self._full(key)
+            )
+        except StoreError as exc:
+            if exc.kind != "not_found":
+                raise
+
+    # -- conditional PUT support --------------------------------------------------
+
+    @property
+    def supports_conditional_put(self) -> bool:
+        """Probed on first use (blocking: call probe_conditional_put() from a worker first)."""
+        if self._conditional is None:
+            return self.probe_conditional_put()
+        return self._conditional
+
+    @supports_conditional_put.setter
+    def supports_conditional_put(self, value: bool) -> None:
+        """Skip the probe (e.g. a config that knows the server)."""
+        self._conditional = value
+
+    def probe_conditional_put(self) -> bool:
+        """PUT a probe key with If-None-Match: * twice; the second must get 412.
+
+        A store that accepts the second PUT ignores conditions, so manifest
+        writes there cannot be made safe against concurrent writers.
+        """
+        with self._probe_lock:
+            if self._conditional is not None:
+                return self._conditional
+            key = f".tierfs-probe-{uuid.uuid4().hex}"
+            try:
+                self.put_bytes(key, b"", if_none_match=True)
+                try:
+                    self.put_bytes(key, b"", if_none_match=True)
+                    supported = False
+                except StoreError as exc:
+                    if exc.kind != "precondition":
+                        raise
+                    supported = True
+            except StoreError as exc:
+                if exc.kind != "invalid":  # 400/501: the server rejects the header outright
+                    raise
+                supported = False
+            finally:
+                self.delete(key)
+            self._conditional = supported
+            return supported
