@@ -7,7 +7,16 @@ STAMP   := $(VENV)/.installed
 DEB     := fuse3 libfuse3-dev pkg-config gcc
 PYTEST_ARGS ?=
 
-.PHONY: all demo test deps setup lint bench clean
+.PHONY: all demo test deps setup lint bench clean install uninstall
+
+# `make install` (as root): a self-contained venv under PREFIX, `tierfs` on the
+# PATH, the mount(8) helper, the systemd unit and an example config.
+PREFIX  ?= /opt/tierfs
+BINDIR  ?= /usr/local/bin
+SBINDIR ?= /sbin
+UNITDIR ?= /etc/systemd/system
+CONFDIR ?= /etc/tierfs
+DOCDIR  ?= /usr/local/share/doc/tierfs
 
 all: test
 
@@ -39,8 +48,38 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# Read-path benchmarks (root: they drop the page cache); JSON lands in bench/results/.
+BENCH_RUNS ?= 3
+BENCH_SIZE ?= 1G
+bench: setup
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) bench/seqread.py --size $(BENCH_SIZE) --runs $(BENCH_RUNS)
+	$(PY) bench/randread.py --size $(BENCH_SIZE) --runs $(BENCH_RUNS)
+	$(PY) bench/herd.py --size $(BENCH_SIZE) --runs $(BENCH_RUNS)
+	$(PY) bench/modelload.py --size 1G --runs $(BENCH_RUNS)
+
 lint: setup
 	$(VENV)/bin/ruff check tierfs tests bench scripts
+
+install: deps
+	python3 -m venv $(PREFIX)
+	$(PREFIX)/bin/pip install -q --upgrade pip
+	$(PREFIX)/bin/pip install -q .
+	install -d -m 0755 $(BINDIR) $(SBINDIR) $(UNITDIR) $(DOCDIR)
+	install -d -m 0700 $(CONFDIR)
+	ln -sf $(PREFIX)/bin/tierfs $(BINDIR)/tierfs
+	ln -sf $(PREFIX)/bin/mount.tierfs $(SBINDIR)/mount.tierfs
+	sed 's#/usr/local/bin/tierfs#$(BINDIR)/tierfs#g' 'systemd/tierfs@.service' > '$(UNITDIR)/tierfs@.service'
+	chmod 0644 '$(UNITDIR)/tierfs@.service'
+	install -m 0600 systemd/tierfs.example.toml $(CONFDIR)/example.toml.sample
+	install -m 0644 README.md $(DOCDIR)/README.md
+	-systemctl daemon-reload 2>/dev/null
+	@echo "installed: $(BINDIR)/tierfs, $(SBINDIR)/mount.tierfs, $(UNITDIR)/tierfs@.service"
+
+uninstall:
+	rm -f $(BINDIR)/tierfs $(SBINDIR)/mount.tierfs '$(UNITDIR)/tierfs@.service'
+	rm -rf $(PREFIX) $(DOCDIR)
+	-systemctl daemon-reload 2>/dev/null
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierfs.config import ConfigError, MountConfig, parse_size
-from tierfs.control import ControlError, find_socket, request
+from tierfs.config import ConfigError, MountConfig, build_config, load_config_file, parse_size
+from tierfs.control import ControlError, ControlUnreachable, find_socket, request
 
 EXIT_USAGE = 2
 START_TIMEOUT = 30.0  # how long `tierfs mount` waits for the daemon to report
@@ -30,12 +30,40 @@ def die(msg: str, code: int = 1) -> int:
     return code
 
 
+class LogfmtFormatter(logging.Formatter):
+    """One line per record, logfmt: `ts=... level=info logger=tierfs.daemon msg="..."`.
+
+    Under journald (JOURNAL_STREAM set) the timestamp is left to the journal.
+    Tracebacks are folded into the line (exc="..."), never spread over many."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stamp = "JOURNAL_STREAM" not in os.environ
+
+    @staticmethod
+    def _quote(v: str) -> str:
+        if v and all(c.isalnum() or c in "-_./:@" for c in v):
+            return v
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+    def format(self, record: logging.LogRecord) -> str:
+        parts = []
+        if self.stamp:
+            t = time.gmtime(record.created)
+            parts.append(f"ts={time.strftime('%Y-%m-%dT%H:%M:%S', t)}.{int(record.msecs):03d}Z")
+        parts += [f"level={record.levelname.lower()}", f"logger={record.name}",
+                  f"msg={self._quote(record.getMessage())}"]
+        if record.exc_info:
+            parts.append(f"exc={self._quote(self.formatException(record.exc_info))}")
+        return " ".join(parts)
+
+
 def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(LogfmtFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
     # boto's own logging would print request details at debug level.
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -45,15 +73,20 @@ def setup_logging(level: str) -> None:
 
 
 def build_mount_config(args: argparse.Namespace) -> MountConfig:
-    return MountConfig(
-        source=args.source,
-        mountpoint=Path(os.path.abspath(args.mountpoint)),
+    """Defaults (config.py) <- --config FILE <- command-line flags."""
+    file = load_config_file(args.config) if args.config else None
+    return build_config(
+        file,
+        args.source,
+        args.mountpoint,
         cache_dir=Path(os.path.abspath(args.cache_dir)) if args.cache_dir else None,
         cache_size=parse_size(args.cache_size) if args.cache_size else None,
         endpoint_url=args.endpoint_url,
         foreground=args.foreground,
-        allow_other=args.allow_other,
+        allow_other=args.allow_other or None,
         log_level=args.log_level,
+        metrics_addr=args.metrics_addr,
+        metrics_allow_remote=args.metrics_allow_remote or None,
     )
 
 
@@ -87,9 +120,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
     def on_ready(warnings: list[str]) -> None:
         nonlocal ready_fd
+        from tierfs.sdnotify import notify
+
         for w in warnings:
             report(f"WARN {w}")
         report("OK")
+        # systemd Type=notify: the mount answers a stat by now (Daemon._wait_ready)
+        notify("READY=1", f"STATUS=serving {cfg.source} at {cfg.mountpoint}",
+               f"MAINPID={os.getpid()}")
         if ready_fd is not None:
             os.close(ready_fd)
             ready_fd = None
@@ -108,8 +146,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
 def spawn_daemon(args: argparse.Namespace, cfg: MountConfig) -> int:
     """Start `mount --foreground` detached; return once it reports ready or failed."""
     r, w = os.pipe()
-    argv = [sys.executable, "-m", "tierfs", "mount", args.source, str(cfg.mountpoint),
+    argv = [sys.executable, "-m", "tierfs", "mount", cfg.source, str(cfg.mountpoint),
             "--foreground", "--ready-fd", str(w), "--log-level", cfg.log_level]
+    if args.config:
+        argv += ["--config", os.path.abspath(args.config)]
+    if args.metrics_addr:
+        argv += ["--metrics-addr", args.metrics_addr]
+    if args.metrics_allow_remote:
+        argv.append("--metrics-allow-remote")
     if args.cache_dir:
         argv += ["--cache-dir", str(cfg.cache_dir)]
     if args.cache_size:
@@ -165,21 +209,82 @@ def cmd_umount(args: argparse.Namespace) -> int:
     mp = Path(os.path.abspath(args.mountpoint))
     try:
         sock = find_socket(mp)
-        reply = request(sock, "unmount", timeout=None if not args.no_flush else 30.0,
-                        flush=not args.no_flush)
-        pid = int(reply["pid"])
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and _alive(pid):
-            time.sleep(0.05)
-        if mounted_fs(mp) is None:
-            return 0
     except ControlError:
-        pass
+        sock = None  # no live daemon: a stale or foreign mount, cleaned below
+    if sock is not None:
+        try:
+            if args.no_flush:
+                reply = request(sock, "unmount", timeout=30.0, flush=False)
+            else:
+                reply = with_upload_progress(sock, "", "unmount", flush=True)
+        except ControlUnreachable as exc:
+            print(f"tierfs: warning: {exc}; unmounting without a flush", file=sys.stderr)
+        except ControlError as exc:
+            return die(f"unmount of {mp} failed: {exc} (pending uploads stay journaled; "
+                       "--no-flush unmounts without waiting)")
+        else:
+            pid = int(reply["pid"])
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and _alive(pid):
+                time.sleep(0.05)
+            if mounted_fs(mp) is None:
+                return 0
     if mounted_fs(mp) is None:
         return die(f"{mp} is not mounted")
     if fusermount_unmount(mp) or fusermount_unmount(mp, lazy=True):
         return 0
     return die(f"could not unmount {mp}")
+
+
+def cmd_flush(args: argparse.Namespace) -> int:
+    mp = Path(os.path.abspath(args.mountpoint))
+    prefix = ""
+    if args.path:
+        rel = os.path.relpath(os.path.abspath(args.path), mp)
+        if rel.startswith(".."):
+            raise CliError(f"{args.path} is not under the mount {mp}")
+        prefix = "" if rel == "." else rel.rstrip("/")
+    with_upload_progress(find_socket(mp), prefix, "flush", prefix=prefix)
+    return 0
+
+
+def with_upload_progress(sock: str, watch: str, op: str, **kw: Any) -> dict[str, Any]:
+    """Run a control request that waits for uploads; draw a progress bar meanwhile
+    when stderr is a terminal."""
+    import threading
+
+    result: dict[str, Any] = {}
+    failure: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            result.update(request(sock, op, timeout=None, **kw))
+        except BaseException as exc:  # re-raised in the caller's thread
+            failure.append(exc)
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    if sys.stderr.isatty():
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        with Progress("uploading", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      TimeRemainingColumn(), transient=True) as bar:
+            task = bar.add_task("upload", total=None)
+            while worker.is_alive():
+                with contextlib.suppress(ControlError):
+                    p = request(sock, "pending", timeout=5.0, prefix=watch)["pending"]
+                    bar.update(task, total=p["bytes"] or None, completed=p["uploaded_bytes"])
+                worker.join(0.25)
+    worker.join()
+    if failure:
+        raise failure[0]
+    return result
 
 
 def _alive(pid: int) -> bool:
@@ -203,19 +308,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def print_status(st: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from tierfs.cli_ops import print_status as table
 
-    m = st.get("metrics", {})
-    table = Table(title=f"tierfs {st['mountpoint']}", show_header=False)
-    table.add_row("source", st["source"])
-    table.add_row("state", "DEGRADED (store unreachable)" if st["degraded"] else "ok")
-    cache = st["cache"]
-    table.add_row("tier 1", f"{cache['used_bytes'] / 2**20:.1f} MiB of "
-                  f"{cache['capacity_bytes'] / 2**30:.1f} GiB, {cache['objects']} objects")
-    for tier in ("cache", "store"):
-        table.add_row(f"read from {tier}", f"{m.get(f'tierfs_read_bytes_total{{tier={tier}}}', 0) / 2**20:.1f} MiB")
-    Console().print(table)
+    table(st)
 
 
 # -- entry point ---------------------------------------------------------------
@@ -226,33 +321,62 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     m = sub.add_parser("mount", help="mount SOURCE (s3://bucket[/prefix] or file:///path) at MOUNTPOINT")
-    m.add_argument("source")
-    m.add_argument("mountpoint")
+    m.add_argument("source", nargs="?", help="may come from --config instead")
+    m.add_argument("mountpoint", nargs="?", help="may come from --config instead")
+    m.add_argument("--config", "-c", metavar="FILE", help="TOML config; flags override it")
     m.add_argument("--cache-dir")
     m.add_argument("--cache-size", help="tier-1 limit, e.g. 50G (default: 80%% of free space)")
     m.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS)")
     m.add_argument("--foreground", "-f", action="store_true", help="stay attached; unmount on SIGINT/SIGTERM")
     m.add_argument("--allow-other", action="store_true", help="let other users access the mount")
-    m.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    m.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                   help="default: info (or logging.level of the config)")
+    m.add_argument("--metrics-addr", metavar="HOST:PORT",
+                   help="serve Prometheus metrics, e.g. 127.0.0.1:9464 (default: off)")
+    m.add_argument("--metrics-allow-remote", action="store_true",
+                   help="allow a non-loopback --metrics-addr (no authentication!)")
     m.add_argument("--log-file", help="daemon log in background mode (default: tierfs.log in the cache dir)")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     m.set_defaults(func=cmd_mount)
 
     u = sub.add_parser("umount", help="unmount and stop the daemon")
-    u.add_argument("mountpoint")
+    u.add_argument("mountpoint", nargs="?", help="or the mountpoint of --config")
+    u.add_argument("--config", "-c", metavar="FILE", help="take the mountpoint from this config")
     u.add_argument("--no-flush", action="store_true", help="do not wait for pending uploads")
     u.set_defaults(func=cmd_umount)
+
+    f = sub.add_parser("flush", help="wait until everything pending (under PATH) is in the store")
+    f.add_argument("mountpoint")
+    f.add_argument("path", nargs="?", help="a directory or file inside the mount")
+    f.set_defaults(func=cmd_flush)
 
     s = sub.add_parser("status", help="show a mount's state and counters")
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_status)
+
+    from tierfs.cli_ops import add_parsers, guard
+
+    add_parsers(sub, guard)
     return p
+
+
+def _umount_target(args: argparse.Namespace) -> None:
+    """`tierfs umount --config FILE` (systemd's ExecStop) unmounts the file's mountpoint."""
+    if args.mountpoint is None:
+        if not args.config:
+            raise CliError("umount needs MOUNTPOINT or --config FILE")
+        mp = load_config_file(args.config).values.get("mountpoint")
+        if mp is None:
+            raise CliError(f"{args.config} has no mountpoint")
+        args.mountpoint = str(mp)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        if args.cmd == "umount":
+            _umount_target(args)
         return int(args.func(args))
     except (CliError, ConfigError, ControlError) as exc:
         return die(str(exc))

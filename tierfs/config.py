@@ -7,11 +7,15 @@ file override these, nothing else invents a default.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import math
 import os
 import re
-from dataclasses import dataclass, field, replace
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -129,11 +133,17 @@ class MountConfig:
     foreground: bool = False
     allow_other: bool = False
     log_level: str = "info"
+    config_file: Path | None = None  # the TOML file the settings came from, if any
+    # Prometheus text endpoint ("HOST:PORT"); off when None. Loopback only
+    # unless metrics_allow_remote.
+    metrics_addr: str | None = None
+    metrics_allow_remote: bool = False
 
     # store
     part_size: int = 8 * MiB
     max_parallel_gets: int = 16
-    max_parallel_puts: int = 8
+    max_parallel_puts: int = 8  # multipart parts in flight per upload
+    max_parallel_uploads: int = 2  # files uploading at once
     connect_timeout: float = 5.0
     read_timeout: float = 30.0
     deadline: float = 30.0  # per store operation, retries included
@@ -162,3 +172,355 @@ class MountConfig:
 
     def with_overrides(self, **kw: object) -> MountConfig:
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+
+# -- metrics address -------------------------------------------------------------
+
+
+def parse_listen_addr(text: str, allow_remote: bool = False) -> tuple[str, int]:
+    """'127.0.0.1:9464', '[::1]:9464', 'localhost:9464' -> (host, port).
+
+    Anything that is not loopback is refused unless `allow_remote`: the
+    endpoint has no authentication.
+    """
+    m = re.fullmatch(r"\[([0-9a-fA-F:.]+)\]:(\d+)|([^:\[\]]+):(\d+)", text.strip())
+    if not m:
+        raise ConfigError(f"invalid metrics address {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9464")
+    host = m.group(1) or m.group(3)
+    port = int(m.group(2) or m.group(4))
+    if not 0 < port < 65536:
+        raise ConfigError(f"invalid metrics address {text!r}: port must be 1-65535")
+    if host == "localhost":
+        loopback = True
+    else:
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            raise ConfigError(
+                f"invalid metrics address {text!r}: host must be an IP address or localhost"
+            ) from None
+    if not loopback and not allow_remote:
+        raise ConfigError(
+            f"metrics address {text!r} is not loopback; the endpoint has no authentication "
+            "(pass --metrics-allow-remote / metrics.allow_remote = true to expose it anyway)"
+        )
+    return host, port
+
+
+# -- TOML config file -----------------------------------------------------------
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+WRITE_MODES = ("writeback", "writethrough")
+
+
+class ConfigFileError(ConfigError):
+    """A problem at a known place of a config file: 'FILE:LINE: reason'."""
+
+    def __init__(self, file: str | Path, line: int, reason: str) -> None:
+        super().__init__(f"{file}:{line}: {reason}")
+        self.file, self.line, self.reason = str(file), line, reason
+
+
+def _want_str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ConfigError(f"expected a string, got {type(v).__name__}")
+    return v
+
+
+def _want_bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"expected true or false, got {v!r}")
+    return v
+
+
+def _want_size(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, str)):
+        raise ConfigError(f"expected a size like \"512M\" or a byte count, got {v!r}")
+    n = parse_size(v)
+    if n < 0:
+        raise ConfigError(f"size must not be negative, got {v!r}")
+    return n
+
+
+def _want_pos_size(v: Any) -> int:
+    n = _want_size(v)
+    if n <= 0:
+        raise ConfigError(f"size must be positive, got {v!r}")
+    return n
+
+
+def _want_seconds(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise ConfigError(f"expected seconds or \"inf\", got {v!r}")
+    return parse_seconds(v)
+
+
+def _want_finite_seconds(v: Any) -> float:
+    s = _want_seconds(v)
+    if math.isinf(s) or s <= 0:
+        raise ConfigError(f"expected a positive number of seconds, got {v!r}")
+    return s
+
+
+def _want_pos_int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ConfigError(f"expected a positive integer, got {v!r}")
+    return v
+
+
+def _want_level(v: Any) -> str:
+    v = _want_str(v).lower()
+    if v not in LOG_LEVELS:
+        raise ConfigError(f"log level must be one of {', '.join(LOG_LEVELS)}, got {v!r}")
+    return v
+
+
+def _want_source(v: Any) -> str:
+    v = _want_str(v)
+    if not re.match(r"^(s3://[^/]{3,}|file:///)", v):
+        raise ConfigError(f"source must be s3://bucket[/prefix] or file:///path, got {v!r}")
+    return v
+
+
+def _want_abs_path(v: Any) -> Path:
+    v = _want_str(v)
+    if not v.startswith("/"):
+        raise ConfigError(f"expected an absolute path, got {v!r}")
+    return Path(v)
+
+
+def _want_globs(v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(g, str) and g for g in v):
+        raise ConfigError("expected a list of glob strings")
+    return tuple(v)
+
+
+# (table, key) -> (MountConfig field, converter). Table "" is the top level.
+_KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
+    ("", "source"): ("source", _want_source),
+    ("", "mountpoint"): ("mountpoint", _want_abs_path),
+    ("", "allow_other"): ("allow_other", _want_bool),
+    ("", "default_class"): ("default_class", _want_str),
+    ("cache", "dir"): ("cache_dir", _want_abs_path),
+    ("cache", "size"): ("cache_size", _want_pos_size),
+    ("cache", "min_free"): ("min_free", _want_size),
+    ("store", "endpoint_url"): ("endpoint_url", _want_str),
+    ("store", "part_size"): ("part_size", _want_pos_size),
+    ("store", "connect_timeout"): ("connect_timeout", _want_finite_seconds),
+    ("store", "read_timeout"): ("read_timeout", _want_finite_seconds),
+    ("store", "deadline"): ("deadline", _want_finite_seconds),
+    ("store", "max_parallel_gets"): ("max_parallel_gets", _want_pos_int),
+    ("store", "max_parallel_puts"): ("max_parallel_puts", _want_pos_int),
+    ("read", "readahead"): ("readahead_max", _want_size),
+    ("read", "readahead_min"): ("readahead_min", _want_pos_size),
+    ("read", "max_inflight"): ("max_inflight_bytes", _want_pos_size),
+    ("read", "kernel_read_ahead_kb"): ("kernel_read_ahead_kb", _want_pos_int),
+    ("read", "prefetch_globs"): ("prefetch_globs", _want_globs),
+    ("read", "prefetch_min_size"): ("prefetch_min_size", _want_size),
+    ("metrics", "addr"): ("metrics_addr", _want_str),
+    ("metrics", "allow_remote"): ("metrics_allow_remote", _want_bool),
+    ("logging", "level"): ("log_level", _want_level),
+}
+_TABLES = {t for t, _ in _KEYS if t} | {"classes"}
+_CLASS_KEYS: dict[str, Callable[[Any], Any]] = {
+    "attr_ttl": _want_seconds,
+    "list_ttl": _want_seconds,
+    "revalidate_on_open": _want_bool,
+    "keep_cache": _want_bool,
+    "write_mode": _want_str,
+    "readahead_max": _want_size,
+}
+_TOP_SPECIAL = {"rules", "default_rules"}
+
+
+def key_line(text: str, path: tuple[str | int, ...]) -> int:
+    """Best-effort 1-based line of the key at `path` (('cache', 'size'),
+    ('rules', 2, 'class'), ('classes', 'dataset')) in TOML `text`; falls back
+    to the line of the enclosing table, then 1."""
+    table: list[str] = []
+    aot: dict[str, int] = {}
+    best = 1
+
+    def split(dotted: str) -> list[str]:
+        return [p.strip().strip('"').strip("'") for p in dotted.split(".")]
+
+    want = [str(p) for p in path]
+    for no, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip() if '"' not in raw else raw.strip()
+        if m := re.match(r"^\[\[\s*([^\]]+?)\s*\]\]", line):
+            name = ".".join(split(m.group(1)))
+            idx = aot.get(name, -1) + 1
+            aot[name] = idx
+            table = [*split(m.group(1)), str(idx)]
+            if want[: len(table)] == table:
+                best = no
+                if len(want) == len(table):
+                    return no
+            continue
+        if m := re.match(r"^\[\s*([^\]]+?)\s*\]", line):
+            table = split(m.group(1))
+            if want[: len(table)] == table:
+                best = no
+                if len(want) == len(table):
+                    return no
+            continue
+        if m := re.match(r"^([A-Za-z0-9_\-\"'. ]+?)\s*=", line):
+            full = table + split(m.group(1))
+            if full == want:
+                return no
+            if want[: len(full)] == full:
+                best = no  # e.g. an inline table holding the key
+    return best
+
+
+@dataclass
+class FileSettings:
+    """What a config file sets: MountConfig field -> value (unset keys absent)."""
+
+    path: Path
+    values: dict[str, Any]
+
+
+def load_config_file(path: str | Path) -> FileSettings:
+    """Parse and validate a TOML config; every error is 'FILE:LINE: reason'."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigFileError(path, 1, "not UTF-8 text") from None
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        m = re.search(r"\(at line (\d+), column (\d+)\)", str(exc))
+        msg = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(exc))
+        line = int(m.group(1)) if m else 1
+        col = f" (column {m.group(2)})" if m else ""
+        raise ConfigFileError(path, line, f"TOML syntax error: {msg}{col}") from None
+    return FileSettings(path, _interpret(doc, text, path))
+
+
+def _interpret(doc: dict[str, Any], text: str, path: Path) -> dict[str, Any]:
+    def fail(where: tuple[str | int, ...], reason: str) -> ConfigFileError:
+        return ConfigFileError(path, key_line(text, where), reason)
+
+    values: dict[str, Any] = {}
+    for key, val in doc.items():
+        if key in _TABLES:
+            if not isinstance(val, dict):
+                raise fail((key,), f"{key!r} must be a table ([{key}])")
+            if key == "classes":
+                continue
+            for sub, v in val.items():
+                spec = _KEYS.get((key, sub))
+                if spec is None:
+                    known = ", ".join(sorted(k for t, k in _KEYS if t == key))
+                    raise fail((key, sub), f"unknown key {sub!r} in [{key}] (known: {known})")
+                try:
+                    values[spec[0]] = spec[1](v)
+                except ConfigError as exc:
+                    raise fail((key, sub), f"{key}.{sub}: {exc}") from None
+        elif key in _TOP_SPECIAL:
+            continue
+        else:
+            spec = _KEYS.get(("", key))
+            if spec is None:
+                known = ", ".join(sorted([k for t, k in _KEYS if not t] + [*_TOP_SPECIAL] + [*_TABLES]))
+                raise fail((key,), f"unknown key {key!r} (known: {known})")
+            try:
+                values[spec[0]] = spec[1](val)
+            except ConfigError as exc:
+                raise fail((key,), f"{key}: {exc}") from None
+
+    # classes: per-class overrides of the built-in contracts; a new name starts
+    # from the "default" class.
+    classes = dict(DEFAULT_CLASSES)
+    for name, body in (doc.get("classes") or {}).items():
+        if not isinstance(body, dict):
+            raise fail(("classes", name), f"classes.{name} must be a table ([classes.{name}])")
+        base = classes.get(name) or replace(DEFAULT_CLASSES["default"], name=name)
+        changes: dict[str, Any] = {}
+        for k, v in body.items():
+            conv = _CLASS_KEYS.get(k)
+            if conv is None:
+                raise fail(("classes", name, k),
+                           f"unknown class setting {k!r} (known: {', '.join(_CLASS_KEYS)})")
+            try:
+                changes[k] = conv(v)
+            except ConfigError as exc:
+                raise fail(("classes", name, k), f"classes.{name}.{k}: {exc}") from None
+            if k == "write_mode" and changes[k] not in WRITE_MODES:
+                raise fail(("classes", name, k),
+                           f"classes.{name}.write_mode must be one of {', '.join(WRITE_MODES)}")
+        classes[name] = replace(base, **changes)
+    if "classes" in doc:
+        values["classes"] = classes
+
+    # rules: checked in order before the built-in ones (unless default_rules = false)
+    keep_defaults = doc.get("default_rules", True)
+    if not isinstance(keep_defaults, bool):
+        raise fail(("default_rules",), "default_rules: expected true or false")
+    rules_doc = doc.get("rules", [])
+    if not isinstance(rules_doc, list):
+        raise fail(("rules",), "rules must be an array of tables ([[rules]] with glob and class)")
+    rules: list[tuple[str, str]] = []
+    from tierfs.policy import glob_to_regex  # policy imports this module
+
+    for i, r in enumerate(rules_doc):
+        if not isinstance(r, dict):
+            raise fail(("rules", i), f"rules[{i}] must be a table with glob and class")
+        extra = set(r) - {"glob", "class"}
+        if extra:
+            raise fail(("rules", i, sorted(extra)[0]),
+                       f"rules[{i}]: unknown key {sorted(extra)[0]!r} (known: glob, class)")
+        for k in ("glob", "class"):
+            if not isinstance(r.get(k), str) or not r[k]:
+                raise fail(("rules", i, k) if k in r else ("rules", i),
+                           f"rules[{i}] needs a non-empty string {k!r}")
+        try:
+            glob_to_regex(r["glob"])
+        except ConfigError as exc:
+            raise fail(("rules", i, "glob"), f"rules[{i}]: {exc}") from None
+        if r["class"] not in classes:
+            raise fail(("rules", i, "class"),
+                       f"rules[{i}]: unknown class {r['class']!r} (known: {', '.join(classes)})")
+        rules.append((r["glob"], r["class"]))
+    if rules or not keep_defaults:
+        values["rules"] = tuple(rules) + (DEFAULT_RULES if keep_defaults else ())
+    default_class = values.get("default_class")
+    if default_class is not None and default_class not in classes:
+        raise fail(("default_class",), f"default_class: unknown class {default_class!r}")
+    if "metrics_addr" in values:
+        try:
+            parse_listen_addr(values["metrics_addr"], values.get("metrics_allow_remote", False))
+        except ConfigError as exc:
+            raise fail(("metrics", "addr"), f"metrics.addr: {exc}") from None
+    return values
+
+
+def build_config(
+    file: FileSettings | None, source: str | None, mountpoint: str | Path | None, **flags: Any
+) -> MountConfig:
+    """Defaults <- config file <- command-line flags (None means 'not given')."""
+    values: dict[str, Any] = dict(file.values) if file else {}
+    if source is not None:
+        values["source"] = source
+    if mountpoint is not None:
+        values["mountpoint"] = Path(os.path.abspath(mountpoint))
+    for k, v in flags.items():
+        if v is not None:
+            values[k] = v
+    for need in ("source", "mountpoint"):
+        if need not in values:
+            where = f" (not in {file.path} either)" if file else ""
+            raise ConfigError(f"missing {need.upper()}{where}")
+    if file:
+        values["config_file"] = file.path
+    known = {f.name for f in fields(MountConfig)}
+    cfg = MountConfig(**{k: v for k, v in values.items() if k in known})
+    if cfg.metrics_addr is not None:
+        parse_listen_addr(cfg.metrics_addr, cfg.metrics_allow_remote)
+    return cfg

@@ -22,6 +22,10 @@ import trio
 log = logging.getLogger(__name__)
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+# A streaming handler gets `emit`, which sends one progress line
+# ({"progress": {...}}, no "ok" key) before the final reply.
+Emit = Callable[[dict[str, Any]], Awaitable[None]]
+StreamHandler = Callable[[dict[str, Any], Emit], Awaitable[dict[str, Any]]]
 CONTROL_XATTR = "user.tierfs.control"
 MAX_REQUEST = 1 << 20
 SUN_PATH_MAX = 100
@@ -29,6 +33,14 @@ SUN_PATH_MAX = 100
 
 class ControlError(Exception):
     """The daemon could not be reached or refused the request (one-line message)."""
+
+
+class ControlUnreachable(ControlError):
+    """Nothing answers on the control socket (daemon gone or socket removed)."""
+
+
+class ClientGone(Exception):
+    """The client of a streaming request went away; the request is abandoned."""
 
 
 def socket_path(cache_dir: Path) -> Path:
@@ -43,9 +55,15 @@ def socket_path(cache_dir: Path) -> Path:
 
 
 class ControlServer:
-    def __init__(self, path: Path, handlers: dict[str, Handler]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        handlers: dict[str, Handler],
+        stream_handlers: dict[str, StreamHandler] | None = None,
+    ) -> None:
         self.path = path
         self.handlers = handlers
+        self.stream_handlers = stream_handlers or {}
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -78,13 +96,29 @@ class ControlServer:
                     return
             try:
                 request = json.loads(buf.split(b"\n", 1)[0])
-                handler = self.handlers[request["op"]]
+                op = request["op"]
+                if op in self.stream_handlers:
+                    streamer = self.stream_handlers[op]
+
+                    async def emit(progress: dict[str, Any]) -> None:
+                        try:
+                            await _send(stream, {"progress": progress})
+                        except (trio.BrokenResourceError, trio.ClosedResourceError):
+                            raise ClientGone() from None
+
+                    def handler(req: dict[str, Any]) -> Awaitable[dict[str, Any]]:
+                        return streamer(req, emit)
+                else:
+                    handler = self.handlers[op]
             except (ValueError, KeyError, TypeError):
                 await _send(stream, {"ok": False, "error": "bad request"})
                 return
             try:
                 reply = await handler(request)
                 reply.setdefault("ok", True)
+            except ClientGone:
+                log.info("control %s: client went away; abandoned", request.get("op"))
+                return
             except Exception as exc:
                 log.exception("control %s failed", request.get("op"))
                 reply = {"ok": False, "error": str(exc)}
@@ -103,24 +137,43 @@ def find_socket(mountpoint: str | Path) -> str:
         raise ControlError(f"{mountpoint}: not a live tierfs mount ({exc.strerror})") from None
 
 
-def request(sock_path: str, op: str, timeout: float | None = 30.0, **args: Any) -> dict[str, Any]:
-    """Send one request and wait for its reply (blocking; for the CLI)."""
+def request(
+    sock_path: str,
+    op: str,
+    timeout: float | None = 30.0,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    **args: Any,
+) -> dict[str, Any]:
+    """Send one request and wait for its reply (blocking; for the CLI).
+
+    Progress lines of a streaming op go to `on_progress` (the timeout then
+    applies between lines, not to the whole request)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         try:
             s.connect(sock_path)
+        except OSError as exc:
+            raise ControlUnreachable(f"cannot reach the daemon at {sock_path}: {exc.strerror}") from None
+        try:
             s.sendall(json.dumps({"op": op, **args}).encode() + b"\n")
             buf = b""
-            while b"\n" not in buf:
-                chunk = s.recv(65536)
-                if not chunk:
-                    raise ControlError("daemon closed the control connection")
-                buf += chunk
+            while True:
+                while b"\n" not in buf:
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        raise ControlError("daemon closed the control connection")
+                    buf += chunk
+                line, buf = buf.split(b"\n", 1)
+                reply = json.loads(line)
+                if "progress" in reply and "ok" not in reply:
+                    if on_progress is not None:
+                        on_progress(reply["progress"])
+                    continue
+                break
         except TimeoutError:
             raise ControlError(f"daemon did not answer {op!r} within {timeout:.0f}s") from None
         except OSError as exc:
             raise ControlError(f"cannot reach the daemon at {sock_path}: {exc.strerror}") from None
-    reply = json.loads(buf.split(b"\n", 1)[0])
     if not reply.get("ok"):
         raise ControlError(reply.get("error", "request failed"))
     return reply

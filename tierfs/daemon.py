@@ -21,16 +21,19 @@ import pyfuse3
 import trio
 
 from tierfs.cache import Cache, CacheBusy, CacheConflict, CacheUnwritable
-from tierfs.config import MountConfig
+from tierfs.config import ConfigError, MountConfig, parse_listen_addr
 from tierfs.control import ControlServer, socket_path
 from tierfs.fs import TierFS
 from tierfs.metrics import Metrics
 from tierfs.namespace import UNREACHABLE_KINDS, Namespace
+from tierfs.ops import ControlOps
 from tierfs.policy import Policy
 from tierfs.reader import Reader
+from tierfs.sdnotify import notify
 from tierfs.store import open_store
 from tierfs.store.base import Store, StoreError
-from tierfs.workers import Workers
+from tierfs.workers import Workers, limit_malloc_arenas
+from tierfs.writeback import WriteBack
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ def check_mountpoint(mountpoint: Path) -> None:
     if fstype is not None:
         stale = False
         try:
-            os.stat(mountpoint)
+            os.statvfs(mountpoint)  # never answered from the kernel's attribute cache
         except OSError as exc:
             stale = exc.errno == errno.ENOTCONN
         if stale and fstype.startswith("fuse") and fusermount_unmount(mountpoint, lazy=True):
@@ -101,6 +104,9 @@ class Daemon:
         self.cache: Cache | None = None
         self.warnings: list[str] = []
         self.start_degraded = False
+        self.metrics_url: str | None = None
+        self._metrics_http: Any = None
+        self.writeback: WriteBack | None = None
 
     def prepare(self) -> None:
         """Every check that needs no mount; raises MountError with the reason."""
@@ -152,13 +158,41 @@ class Daemon:
                 self.cache.close()
                 raise MountError(str(exc)) from None
 
+    def start_metrics(self) -> None:
+        """Serve Prometheus text on cfg.metrics_addr from a daemon thread (dies
+        with the process); call after prepare(). MountError if it cannot bind."""
+        if not self.cfg.metrics_addr:
+            return
+        from prometheus_client import start_http_server
+
+        try:
+            host, port = parse_listen_addr(self.cfg.metrics_addr, self.cfg.metrics_allow_remote)
+            server, _ = start_http_server(port, addr=host, registry=self.metrics.registry)
+        except ConfigError as exc:
+            raise MountError(str(exc)) from None
+        except OSError as exc:
+            raise MountError(
+                f"cannot serve metrics on {self.cfg.metrics_addr}: {exc.strerror or exc}"
+            ) from None
+        self._metrics_http = server
+        self.metrics_url = f"http://{self.cfg.metrics_addr}/metrics"
+        log.info("metrics at %s", self.metrics_url)
+
+    def stop_metrics(self) -> None:
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+            self._metrics_http = None
+
     def run(self, on_ready: Callable[[list[str]], None]) -> None:
         """Mount, serve until unmounted or signalled, then clean up."""
         assert self.store is not None and self.cache is not None
         cfg = self.cfg
         try:
+            self.start_metrics()
             trio.run(self._main, on_ready)
         finally:
+            self.stop_metrics()
             self.cache.close()
             log.info("tierfs stopped: %s", cfg.mountpoint)
 
@@ -166,6 +200,7 @@ class Daemon:
         assert self.store is not None and self.cache is not None
         cfg = self.cfg
         stop = trio.Event()
+        limit_malloc_arenas()  # before the worker threads exist: bounds RSS
         workers = Workers(
             data_threads=min(cfg.max_parallel_gets, max(1, cfg.max_inflight_bytes // cfg.part_size)),
             meta_threads=16,
@@ -181,29 +216,49 @@ class Daemon:
                 part_size=cfg.part_size,
                 readahead_min=cfg.readahead_min,
                 observe_read=self.metrics.read_served,
+                # Whole-object model prefetch leaves half the GET slots to demand reads.
+                prefetch_parallel=max(1, workers.data_limiter.total_tokens // 2),
             )
             ops: TierFS
             ns = Namespace(
                 self.store, self.cache, policy, workers,
                 on_changed=lambda i: ops.invalidate(i), degraded=self.start_degraded,
             )
+            wb = self.writeback = WriteBack(
+                self.store, self.cache, policy, workers,
+                quarantine_dir=cfg.resolved_cache_dir() / "quarantine",
+                max_uploads=cfg.max_parallel_uploads,
+                on_uploaded=ns.uploaded,
+                observe=self.metrics.writeback_event,
+            )
+            ns.overlay = wb
+            await wb.recover()
+            nursery.start_soon(wb.run)
             ops = TierFS(
                 ns,
                 reader,
                 self.cache,
                 self.metrics,
+                writeback=wb,
                 control_path=str(ctl_path),
                 prefetch_globs=cfg.prefetch_globs,
                 prefetch_min_size=cfg.prefetch_min_size,
             )
+            ctl_ops = ControlOps(self, ns, reader, self.cache, policy, self.metrics)
+            self.metrics.add_live(ctl_ops.live_figures)
+            nursery.start_soon(ctl_ops.refresh_live)
             handlers = {
-                "status": lambda req: self._status(ns),
-                "unmount": lambda req: self._request_stop(stop),
+                **ctl_ops.handlers(),
+                "unmount": lambda req: self._request_stop(stop, wb if req.get("flush") else None),
+                "flush": lambda req: self._flush(wb, req.get("prefix", "")),
+                "pending": lambda req: self._pending(wb, req.get("prefix", "")),
             }
-            await nursery.start(ControlServer(ctl_path, handlers).serve)
+            await nursery.start(
+                ControlServer(ctl_path, handlers, ctl_ops.stream_handlers()).serve
+            )
             nursery.start_soon(self._collect_orphans)
             options = set(pyfuse3.default_options)
-            options |= {f"fsname=tierfs:{self.store.url}", "subtype=tierfs", "ro", "noatime"}
+            options |= {f"fsname=tierfs:{self.store.url}", "subtype=tierfs", "noatime"}
             if cfg.allow_other:
                 options.add("allow_other")
             pyfuse3.init(ops, str(cfg.mountpoint), options)
@@ -218,6 +273,7 @@ class Daemon:
                     log.info("tierfs mounted %s at %s", self.store.url, cfg.mountpoint)
                     on_ready(self.warnings)
                     await stop.wait()
+                    notify("STOPPING=1")
                     fuse_nursery.cancel_scope.cancel()
             finally:
                 pyfuse3.close(unmount=True)
@@ -256,21 +312,15 @@ class Daemon:
             await trio.sleep(0.05)
         raise MountError(f"mount at {mp} did not answer")
 
-    async def _request_stop(self, stop: trio.Event) -> dict[str, Any]:
+    async def _request_stop(self, stop: trio.Event, flush: WriteBack | None) -> dict[str, Any]:
+        if flush is not None:
+            await flush.flush()
         stop.set()
         return {"pid": os.getpid()}
 
-    async def _status(self, ns: Namespace) -> dict[str, Any]:
-        assert self.store is not None and self.cache is not None
-        stats = await trio.to_thread.run_sync(self.cache.stats)
-        self.metrics.cache_bytes.set(stats.used_bytes)
-        return {
-            "pid": os.getpid(),
-            "source": self.store.url,
-            "mountpoint": str(self.cfg.mountpoint),
-            "cache_dir": str(self.cfg.resolved_cache_dir()),
-            "degraded": ns.degraded,
-            "cache": {"used_bytes": stats.used_bytes, "capacity_bytes": stats.capacity,
-                      "objects": stats.objects},
-            "metrics": self.metrics.snapshot(),
-        }
+    async def _flush(self, wb: WriteBack, prefix: str) -> dict[str, Any]:
+        await wb.flush(prefix)
+        return {"pending": wb.summary(prefix)}
+
+    async def _pending(self, wb: WriteBack, prefix: str) -> dict[str, Any]:
+        return {"pending": wb.summary(prefix)}

@@ -10,7 +10,9 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import math
 import os
+import stat
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ from tierfs.namespace import Namespace, Node
 from tierfs.policy import glob_to_regex
 from tierfs.reader import Reader, ReadState
 from tierfs.store.base import StoreError
+from tierfs.writeback import WriteBack
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +66,15 @@ class Handle:
     node: Node
     entry: Entry
     state: ReadState = field(default_factory=ReadState)
+    dirty: bool = False  # written since the last seal
+    writable: bool = False  # counted in the write-back writer count until released
 
 
 class TierFS(pyfuse3.Operations):
+    # The kernel coalesces writes into large requests and keeps written pages
+    # (DESIGN §9: needed to close a checkpoint near local-disk speed).
+    enable_writeback_cache = True
+
     def __init__(
         self,
         namespace: Namespace,
@@ -73,11 +82,13 @@ class TierFS(pyfuse3.Operations):
         cache: Cache,
         metrics: Metrics,
         *,
+        writeback: WriteBack,
         control_path: str,
         prefetch_globs: tuple[str, ...],
         prefetch_min_size: int,
     ) -> None:
         super().__init__()
+        self.wb = writeback
         self.ns = namespace
         self.reader = reader
         self.cache = cache
@@ -155,22 +166,41 @@ class TierFS(pyfuse3.Operations):
 
     @fuse_errors
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
-            raise pyfuse3.FUSEError(errno.EROFS)
         node = self.ns.get(inode)
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
+        writing = bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC))
         if node.settings.revalidate_on_open:
             await self.ns.revalidate(node)
         entry = await self.ns.workers.disk(self.cache.open, node.path, node.etag, node.size, node.mtime)
         fh = self._new_fh()
-        self._handles[fh] = Handle(node, entry)
+        h = self._handles[fh] = Handle(node, entry, writable=writing)
+        if writing:
+            self.wb.writer_opened(node.path, entry.size)
+            await self.wb.prepare_write(node.path)
+        if flags & os.O_TRUNC and entry.size:
+            await self._truncate(h, 0)
         keep = node.settings.keep_cache and self._kernel_generation.get(inode) == node.generation
         self._kernel_generation[inode] = node.generation
-        if self._wants_prefetch(node):
-            self.reader.prefetch(entry, 0, entry.size)
+        if not writing and self._wants_prefetch(node) and not self.reader.prefetching(entry):
+            await self._prefetch_object(node, entry)
         self.metrics.meta_op("open")
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=False)
+
+    async def _prefetch_object(self, node: Node, entry: Entry) -> None:
+        """Model-like file (DESIGN §3.6): fetch it whole into tier 1 in the background,
+        holding a reference of its own so a close before the end does not stop it."""
+        if entry.state != "clean" or not entry.missing(0, entry.size):
+            return
+        held = await self.ns.workers.disk(self.cache.open, node.path, node.etag, node.size, node.mtime)
+        if held is not entry:  # replaced meanwhile: leave it to the next open
+            await self.ns.workers.disk(self.cache.release, held)
+            return
+
+        async def done() -> None:
+            await self.ns.workers.disk(self.cache.release, held)
+
+        self.reader.prefetch_object(held, done)
 
     def _wants_prefetch(self, node: Node) -> bool:
         if node.size < self._prefetch_min:
@@ -189,8 +219,269 @@ class TierFS(pyfuse3.Operations):
     @fuse_errors
     async def release(self, fh: int) -> None:
         h = self._handles.pop(fh, None)
-        if h is not None:
+        if h is None:
+            return
+        try:
+            if h.dirty:  # flush normally sealed it; a failed flush leaves it to us
+                await self._seal(h)
+        finally:
+            if h.writable:
+                self.wb.writer_closed(h.node.path, h.entry)
             await self.ns.workers.disk(self.cache.release, h.entry)
+
+    # -- writes ----------------------------------------------------------------
+
+    @fuse_errors
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        text = self._name(name)
+        parent = self.ns.get(parent_inode)
+        path = f"{parent.path}/{text}" if parent.path else text
+        await self.wb.prepare_write(path)
+        entry = await self.ns.workers.disk(self.cache.open, path, "", 0, time.time())
+        try:
+            await self._local_write(entry, entry.truncate, 0)
+            node = self.ns.add(parent_inode, text, is_dir=False)
+        except BaseException:
+            await self.ns.workers.disk(self.cache.release, entry)
+            raise
+        self.wb.writer_opened(path, 0)
+        self.wb.note_dirty(path, 0)
+        fh = self._new_fh()
+        self._handles[fh] = Handle(node, entry, dirty=True, writable=True)
+        self._kernel_generation[node.inode] = node.generation
+        self.metrics.meta_op("create")
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False), self.attrs(node)
+
+    @fuse_errors
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        h = self._handles[fh]
+        if not h.dirty:
+            await self._begin_write(h)
+        n = await self._local_write(h.entry, h.entry.write, off, buf)
+        h.node.size = h.entry.size
+        self.wb.note_dirty(h.node.path, h.entry.size)
+        return n
+
+    async def _begin_write(self, h: Handle) -> None:
+        """First write through a handle: the whole object must be local, and no
+        upload may be reading the file while it changes."""
+        await self.wb.prepare_write(h.node.path)
+        await self._make_local(h, h.entry.size)
+        h.dirty = True
+
+    async def _make_local(self, h: Handle, size: int) -> None:
+        """Fetch the first `size` bytes of a clean entry into tier 1. If the object
+        changed in the store since this handle opened it (ESTALE), write onto the
+        store's current version instead."""
+        if h.entry.state != "clean" or not size:
+            return
+        try:
+            await self.reader.ensure(h.entry, 0, size, whole_parts=True)
+            return
+        except OSError as exc:
+            if exc.errno != errno.ESTALE:
+                raise
+        await self.ns.revalidate(h.node)
+        old, n = h.entry, h.node
+        h.entry = await self.ns.workers.disk(self.cache.open, n.path, n.etag, n.size, n.mtime)
+        await self.ns.workers.disk(self.cache.release, old)
+        await self.reader.ensure(h.entry, 0, min(size, h.entry.size), whole_parts=True)
+
+    async def _truncate(self, h: Handle, size: int) -> None:
+        await self.wb.prepare_write(h.node.path)
+        await self._make_local(h, min(size, h.entry.size))
+        await self._local_write(h.entry, h.entry.truncate, size)
+        h.dirty = True
+        h.node.size = size
+        self.wb.note_dirty(h.node.path, size)
+
+    async def _local_write(self, entry: Entry, fn: Callable[..., Any], *args: Any) -> Any:
+        """A tier-1 write; on a full disk, evict clean data once and retry, else ENOSPC."""
+        try:
+            return await self.ns.workers.disk(fn, *args)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            await self.ns.workers.disk(self.cache.reclaim)
+            return await self.ns.workers.disk(fn, *args)
+
+    async def _seal(self, h: Handle) -> None:
+        h.dirty = False
+        try:
+            await self.wb.seal(h.entry, write_through=h.node.settings.write_mode != "writeback")
+        except BaseException:
+            h.dirty = h.entry.state == "dirty"
+            raise
+        h.node.size = h.entry.size
+
+    @fuse_errors
+    async def flush(self, fh: int) -> None:
+        h = self._handles.get(fh)
+        if h is not None and h.dirty:
+            await self._seal(h)
+
+    @fuse_errors
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        h = self._handles.get(fh)
+        if h is not None and h.dirty:
+            await self._seal(h)
+
+    @fuse_errors
+    async def setattr(
+        self,
+        inode: int,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: int | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        node = await self.ns.getattr(inode)
+        if fields.update_mode and stat.S_IMODE(attr.st_mode) != stat.S_IMODE(self.ns.mode(node)):
+            raise pyfuse3.FUSEError(errno.EPERM)  # modes are not stored (README)
+        if (fields.update_uid and attr.st_uid != self.uid) or (
+            fields.update_gid and attr.st_gid != self.gid
+        ):
+            raise pyfuse3.FUSEError(errno.EPERM)
+        if fields.update_size:
+            if node.is_dir:
+                raise pyfuse3.FUSEError(errno.EISDIR)
+            h = self._handles.get(fh) if fh is not None else None
+            if h is not None:
+                await self._truncate(h, attr.st_size)
+            else:  # truncate(2) by path: a write and a close in one
+                await self.wb.prepare_write(node.path)
+                entry = await self.ns.workers.disk(
+                    self.cache.open, node.path, node.etag, node.size, node.mtime
+                )
+                tmp = Handle(node, entry, writable=True)
+                self.wb.writer_opened(node.path, entry.size)
+                try:
+                    await self._truncate(tmp, attr.st_size)
+                    await self._seal(tmp)
+                finally:
+                    self.wb.writer_closed(node.path, entry)
+                    await self.ns.workers.disk(self.cache.release, entry)
+        if fields.update_mtime:
+            node.mtime = attr.st_mtime_ns / 1e9
+            lf = self.wb.local.get(node.path)
+            if lf is not None:
+                lf.mtime = node.mtime
+        return self.attrs(node)
+
+    @fuse_errors
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        text = self._name(name)
+        node = await self.ns.lookup(parent_inode, text)
+        node.lookups -= 1
+        if node.is_dir:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        await self.wb.delete(node.path)
+        self.ns.remove(parent_inode, text)
+        self.metrics.meta_op("unlink")
+
+    @fuse_errors
+    async def mkdir(
+        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        text = self._name(name)
+        if await self._exists(parent_inode, text):
+            raise pyfuse3.FUSEError(errno.EEXIST)
+        parent = self.ns.get(parent_inode)
+        await self.wb.make_dir(f"{parent.key}{text}/")
+        self.metrics.meta_op("mkdir")
+        return self.attrs(self.ns.add(parent_inode, text, is_dir=True))
+
+    @fuse_errors
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        text = self._name(name)
+        node = await self.ns.lookup(parent_inode, text)
+        node.lookups -= 1
+        if not node.is_dir:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        node.children_expire = -math.inf  # emptiness is the store's word, not a stale listing
+        if await self.ns.readdir(node.inode):
+            raise pyfuse3.FUSEError(errno.ENOTEMPTY)
+        await self.wb.remove_dir(node.key)
+        self.ns.remove(parent_inode, text)
+        self.metrics.meta_op("rmdir")
+
+    @fuse_errors
+    async def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        old, new = self._name(name_old), self._name(name_new)
+        src = await self.ns.lookup(parent_inode_old, old)
+        src.lookups -= 1
+        dst = await self._lookup_or_none(parent_inode_new, new)
+        if dst is not None:
+            if flags & pyfuse3.RENAME_NOREPLACE:
+                raise pyfuse3.FUSEError(errno.EEXIST)
+            if dst.is_dir and not src.is_dir:
+                raise pyfuse3.FUSEError(errno.EISDIR)
+            if src.is_dir and not dst.is_dir:
+                raise pyfuse3.FUSEError(errno.ENOTDIR)
+            if dst.is_dir:
+                dst.children_expire = -math.inf
+                if await self.ns.readdir(dst.inode):
+                    raise pyfuse3.FUSEError(errno.ENOTEMPTY)
+                await self.wb.remove_dir(dst.key)
+        new_parent = self.ns.get(parent_inode_new)
+        if src.is_dir:
+            copied = await self.wb.rename_tree(src.key, f"{new_parent.key}{new}/")
+        else:
+            copied = await self.wb.rename_file(src.path, f"{new_parent.key}{new}")
+        self.ns.move(parent_inode_old, old, parent_inode_new, new)
+        for info in copied:
+            self.ns.uploaded(info.key, info)
+        self.metrics.meta_op("rename")
+
+    @fuse_errors
+    async def symlink(
+        self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        raise pyfuse3.FUSEError(errno.EPERM)  # objects have no link type (README)
+
+    @fuse_errors
+    async def link(
+        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        raise pyfuse3.FUSEError(errno.EPERM)
+
+    @fuse_errors
+    async def mknod(
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        raise pyfuse3.FUSEError(errno.EPERM)
+
+    async def _exists(self, parent_inode: int, name: str) -> bool:
+        return await self._lookup_or_none(parent_inode, name) is not None
+
+    async def _lookup_or_none(self, parent_inode: int, name: str) -> Node | None:
+        try:
+            node = await self.ns.lookup(parent_inode, name)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                return None
+            raise
+        node.lookups -= 1
+        return node
+
+    @staticmethod
+    def _name(name: bytes) -> str:
+        try:
+            return name.decode("utf-8")
+        except UnicodeDecodeError:
+            raise pyfuse3.FUSEError(errno.EINVAL) from None
 
     # -- filesystem ------------------------------------------------------------
 

@@ -6,12 +6,75 @@ plain dict that `tierfs status` prints, so the two can never disagree.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
     0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )
+
+
+# Figures read at scrape time from the parts that own them (the cache's own
+# counters, the write path's pending uploads): name -> (kind, help).
+LIVE_METRICS: dict[str, tuple[str, str]] = {
+    "tierfs_cache_objects": ("gauge", "Objects with data in tier 1"),
+    "tierfs_cache_open_objects": ("gauge", "Tier-1 objects open right now"),
+    "tierfs_evictions": ("counter", "Objects or chunks evicted from tier 1"),
+    "tierfs_evicted_bytes": ("counter", "Bytes evicted from tier 1"),
+    "tierfs_corrupt_chunks": ("counter", "Tier-1 chunks that failed their checksum and were dropped"),
+    "tierfs_pending_uploads": ("gauge", "Files written but not yet uploaded to the store"),
+    "tierfs_pending_upload_bytes": ("gauge", "Bytes written but not yet uploaded to the store"),
+    "tierfs_pending_upload_oldest_seconds": ("gauge", "Age of the oldest pending upload"),
+    "tierfs_quarantined_files": ("gauge", "Files kept aside after a rejected upload (conflicts/)"),
+}
+
+
+class _LiveCollector:
+    def __init__(self, source: Callable[[], Mapping[str, float]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            values = self.source()
+        except Exception:  # a scrape must not fail because one figure is unavailable
+            values = {}
+        for name, (kind, doc) in LIVE_METRICS.items():
+            if name not in values:
+                continue
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(name, doc, value=float(values[name]))
+
+
+def histogram_quantiles(
+    buckets: list[tuple[float, float]], qs: tuple[float, ...] = (0.5, 0.95, 0.99)
+) -> dict[str, float | None]:
+    """Quantiles from cumulative (upper bound, count) buckets, interpolated
+    linearly inside a bucket as Prometheus' histogram_quantile() does."""
+    out: dict[str, float | None] = {}
+    total = buckets[-1][1] if buckets else 0.0
+    for q in qs:
+        name = f"p{round(q * 100):d}"
+        if total <= 0:
+            out[name] = None
+            continue
+        rank = q * total
+        lo_bound, lo_count = 0.0, 0.0
+        for bound, count in buckets:
+            if count >= rank:
+                if math.isinf(bound):
+                    out[name] = lo_bound  # beyond the last finite bucket
+                else:
+                    width = count - lo_count
+                    frac = (rank - lo_count) / width if width else 1.0
+                    out[name] = lo_bound + (bound - lo_bound) * frac
+                break
+            lo_bound, lo_count = bound, count
+    return out
 
 
 class Metrics:
@@ -40,11 +103,37 @@ class Metrics:
         self.meta_ops = Counter(
             "tierfs_metadata_ops", "Metadata operations served", ["op"], registry=r,
         )
+        self.writeback_events = Counter(
+            "tierfs_writeback", "Write-back uploader events (uploaded bytes, retries)", ["event"],
+            registry=r,
+        )
         self.errors = Counter("tierfs_errors", "Errors returned to callers", ["kind"], registry=r)
         self.cache_bytes = Gauge("tierfs_cache_bytes", "Bytes held in tier 1", registry=r)
         self.cache_capacity = Gauge(
             "tierfs_cache_capacity_bytes", "Tier 1 size limit", registry=r,
         )
+
+    def add_live(self, source: Callable[[], Mapping[str, float]]) -> None:
+        """Expose figures owned elsewhere (see LIVE_METRICS), read at each scrape."""
+        self.registry.register(_LiveCollector(source))
+
+    def read_latency_summary(self) -> dict[str, Any]:
+        """p50/p95/p99 (seconds) and count of FUSE reads, from the histogram."""
+        buckets: list[tuple[float, float]] = []
+        count = 0.0
+        total = 0.0
+        for family in self.read_latency_seconds.collect():
+            for s in family.samples:
+                if s.name.endswith("_bucket"):
+                    buckets.append((float(s.labels["le"]), s.value))
+                elif s.name.endswith("_count"):
+                    count = s.value
+                elif s.name.endswith("_sum"):
+                    total = s.value
+        buckets.sort()
+        out: dict[str, Any] = {"count": int(count), "mean": total / count if count else None}
+        out.update(histogram_quantiles(buckets))
+        return out
 
     # Hooks called from the hot paths: keep them cheap.
     def read_served(self, tier: str, nbytes: int) -> None:
@@ -59,6 +148,10 @@ class Metrics:
 
     def read_latency(self, seconds: float) -> None:
         self.read_latency_seconds.observe(seconds)
+
+    def writeback_event(self, event: str, n: int) -> None:
+        """uploaded (bytes), upload_retry (count)."""
+        self.writeback_events.labels(event).inc(n)
 
     def meta_op(self, op: str) -> None:
         self.meta_ops.labels(op).inc()

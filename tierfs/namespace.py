@@ -18,6 +18,7 @@ import stat
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import trio
 
@@ -59,6 +60,21 @@ class Node:
         return self.path
 
 
+class LocalOverlay(Protocol):
+    """Files that exist only on this node (written, not yet uploaded)."""
+
+    local: dict[str, Any]  # key -> object with .size and .mtime
+
+    def local_children(self, prefix: str) -> tuple[dict[str, Any], set[str]]: ...
+
+
+class _NoOverlay:
+    local: dict[str, Any] = {}
+
+    def local_children(self, prefix: str) -> tuple[dict[str, Any], set[str]]:
+        return {}, set()
+
+
 @dataclass
 class _Pending:
     done: trio.Event = field(default_factory=trio.Event)
@@ -96,6 +112,7 @@ class Namespace:
         self.workers = workers
         self.on_changed = on_changed
         self.degraded = degraded
+        self.overlay: LocalOverlay = _NoOverlay()
         self._nodes: dict[int, Node] = {}
         self._by_path: dict[str, int] = {}
         self._next_inode = ROOT_INODE + 1
@@ -138,6 +155,10 @@ class Namespace:
             node.generation += 1
             self.on_changed(node.inode)
 
+    def _apply_local(self, node: Node, lf: Any) -> None:
+        node.size, node.mtime, node.etag = lf.size, lf.mtime, ""
+        node.attr_expire = time.monotonic() + node.settings.attr_ttl
+
     def forget(self, items: Iterable[tuple[int, int]]) -> None:
         for inode, count in items:
             node = self._nodes.get(inode)
@@ -163,7 +184,7 @@ class Namespace:
             return await self.workers.disk(self._listing_from_index, node.key)
         if self.degraded:
             log.info("store reachable again: leaving degraded mode")
-            self.degraded = degraded
+            self.degraded = False
         return listing
 
     def _listing_from_index(self, prefix: str) -> Listing:
@@ -218,6 +239,14 @@ class Namespace:
             child = self._node_for(info.key, False)
             self._apply_info(child, info, now)
             children[name] = child.inode
+        files, dirs = self.overlay.local_children(node.key)
+        for name in dirs:
+            if name not in children:
+                children[name] = self._node_for(join(node.path, name), True).inode
+        for name, lf in files.items():
+            child = self._node_for(join(node.path, name), False)
+            self._apply_local(child, lf)
+            children[name] = child.inode
         node.children = children
         ttl = DEGRADED_RETRY if self.degraded else node.settings.list_ttl
         node.children_expire = now + ttl
@@ -257,7 +286,15 @@ class Namespace:
         return node
 
     async def _lookup_strict(self, parent: Node, name: str, path: str) -> Node:
-        """Manifest-class lookup: the store's word, never the listing cache."""
+        """Manifest-class lookup: the store's word, never the listing cache
+        (unless the file is being written here: then ours)."""
+        lf = self.overlay.local.get(path)
+        if lf is not None:
+            node = self._node_for(path, False)
+            self._apply_local(node, lf)
+            if parent.children is not None:
+                parent.children[name] = node.inode
+            return node
         try:
             info = await self._head(path)
         except StoreError as exc:
@@ -292,7 +329,12 @@ class Namespace:
         return node
 
     async def revalidate(self, node: Node) -> None:
-        """HEAD a file and take what the store says; ENOENT if it is gone."""
+        """HEAD a file and take what the store says; ENOENT if it is gone.
+        A file written on this node and not yet uploaded is its own truth."""
+        lf = self.overlay.local.get(node.path)
+        if lf is not None:
+            self._apply_local(node, lf)
+            return
         try:
             info = await self._head(node.path)
         except StoreError as exc:
@@ -316,3 +358,67 @@ class Namespace:
         if node.is_dir:
             return stat.S_IFDIR | 0o755
         return stat.S_IFREG | 0o644
+
+    # -- changes made through this mount ----------------------------------------
+
+    def child(self, parent_inode: int, name: str) -> Node | None:
+        """The known child `name` (no store request), or None."""
+        parent = self.get(parent_inode)
+        if parent.children is None:
+            return None
+        inode = parent.children.get(name)
+        return None if inode is None else self._nodes[inode]
+
+    def add(self, parent_inode: int, name: str, *, is_dir: bool, size: int = 0) -> Node:
+        """Record a file or directory this mount created."""
+        parent = self.get(parent_inode)
+        if not valid_name(name):
+            raise OSError(errno.ENAMETOOLONG if len(name.encode()) > NAME_MAX else errno.EINVAL,
+                          "invalid name")
+        node = self._node_for(join(parent.path, name), is_dir)
+        node.size, node.mtime, node.etag = size, time.time(), ""
+        node.attr_expire = time.monotonic() + node.settings.attr_ttl
+        if is_dir and node.children is None:
+            node.children, node.children_expire = {}, time.monotonic() + node.settings.list_ttl
+        if parent.children is not None:
+            parent.children[name] = node.inode
+        node.lookups += 1
+        return node
+
+    def remove(self, parent_inode: int, name: str) -> None:
+        parent = self.get(parent_inode)
+        path = join(parent.path, name)
+        if parent.children is not None:
+            parent.children.pop(name, None)
+        inode = self._by_path.pop(path, None)
+        if inode is not None:
+            for sub in [p for p in self._by_path if p.startswith(path + "/")]:
+                del self._by_path[sub]
+
+    def move(self, old_parent: int, old_name: str, new_parent: int, new_name: str) -> None:
+        """Re-key a node (and, for a directory, every known node below it)."""
+        src, dst = self.get(old_parent), self.get(new_parent)
+        old_path, new_path = join(src.path, old_name), join(dst.path, new_name)
+        inode = self._by_path.get(old_path)
+        self.remove(new_parent, new_name)
+        if src.children is not None:
+            src.children.pop(old_name, None)
+        if inode is None:
+            dst.children_expire = -math.inf  # unknown here: the next lookup re-lists
+            return
+        for path in sorted(p for p in self._by_path if p == old_path or p.startswith(old_path + "/")):
+            moved = self._by_path.pop(path)
+            node = self._nodes[moved]
+            node.path = new_path + path[len(old_path):]
+            node.settings = self.policy.settings(node.path)
+            self._by_path[node.path] = moved
+        if dst.children is not None:
+            dst.children[new_name] = inode
+
+    def uploaded(self, key: str, info: ObjectInfo) -> None:
+        """A local file landed in the store: take its store attributes quietly."""
+        inode = self._by_path.get(key)
+        if inode is not None:
+            node = self._nodes[inode]
+            node.size, node.mtime, node.etag = info.size, info.mtime, info.etag
+            node.attr_expire = time.monotonic() + node.settings.attr_ttl

@@ -42,7 +42,8 @@ class TierfsMount:
     pid: int | None = None
 
     def start(self) -> TierfsMount:
-        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        if not is_mounted(self.mountpoint):  # a stale mount is tierfs's to clean
+            self.mountpoint.mkdir(parents=True, exist_ok=True)
         res = run_tierfs("mount", self.source, str(self.mountpoint), "--cache-dir",
                          str(self.cache_dir), *self.extra, env=self.env)
         if res.returncode != 0:

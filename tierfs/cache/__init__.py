@@ -139,6 +139,9 @@ class Cache:
         self._busy: set[bytes] = set()
         self._stashed: OrderedDict[bytes, bytearray] = OrderedDict()
         self._stashed_bytes = 0
+        # Pages of absent chunks fetched by small random reads (Entry._pages) of
+        # closed objects, for their next open; dropped with the file (`_unlink`).
+        self.page_stash: OrderedDict[bytes, dict[int, int]] = OrderedDict()
         self._evict_mu = threading.Lock()
         self._evictions = self._evicted_bytes = self._corrupt = 0
         self._closed = False
@@ -219,6 +222,7 @@ class Cache:
         with self._lock:
             self._stashed.clear()
             self._stashed_bytes = 0
+            self.page_stash.clear()
         with os.scandir(self.objects_dir) as it:
             for de in it:
                 self._unlink(de.name)
@@ -271,6 +275,16 @@ class Cache:
         e = self._acquire(key, (etag, size, mtime), touch=True)
         assert e is not None
         return e
+
+    def open_existing(self, key: str) -> Entry | None:
+        """The entry of an object the index already holds, in whatever state; None if
+        unknown. Not a use for eviction (the uploader and recovery open this way)."""
+        return self._acquire(key, None, touch=False)
+
+    def reclaim(self) -> None:
+        """Evict clean data until within capacity and above the free-space floor
+        (before retrying a local write that hit ENOSPC)."""
+        self._make_room(None)
 
     def release(self, entry: Entry) -> None:
         with self._lock:
@@ -366,6 +380,8 @@ class Cache:
                 # The file was lost or cut: whatever the index says, its chunks are gone.
                 os.ftruncate(fd, 0)
                 os.ftruncate(fd, rec.size)
+                with self._lock:
+                    self.page_stash.pop(rec.fid, None)
                 with self._index.write() as wt:
                     cur = wt.record(kh)
                     wt.drop_all_chunks(rec.fid)
@@ -509,6 +525,8 @@ class Cache:
             )
             if states is not None:
                 self._stashed_bytes -= len(states)
+            if _FID_NAME.fullmatch(name):
+                self.page_stash.pop(bytes.fromhex(name), None)
         (self.objects_dir / name).unlink(missing_ok=True)
 
     # -- integrity -------------------------------------------------------------------

@@ -65,6 +65,8 @@ _PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 
 _ABSENT_RUN = re.compile(bytes((ABSENT,)) + b"+")
 _CHECKSUMMED = (STORED, VERIFIED)
+PAGE = 4096  # granularity of `store_pages` (small random reads)
+PAGE_STASH_OBJECTS = 4096  # closed objects whose fetched pages are remembered
 
 
 def punch_hole(fd: int, offset: int, length: int) -> None:
@@ -164,6 +166,11 @@ class Entry:
         self._access_ns = rec.access_ns if touch_ns is None else touch_ns
         self._sums: dict[int, bytes] = {}  # dirty: digests of chunks rewritten whole
         self._hashers: dict[int, tuple[xxhash.xxh3_64, int]] = {}  # dirty: chunk -> (hash, bytes)
+        # Absent chunk -> bitmask of its PAGE-sized pages fetched by small random reads
+        # (`store_pages`). Memory only: not checksummed, not persisted, not counted in
+        # `cached`; gone at the last release or once the whole chunk is stored.
+        with cache._lock:
+            self._pages: dict[int, int] = cache.page_stash.pop(rec.fid, None) or {}
 
     @property
     def state(self) -> str:
@@ -197,6 +204,95 @@ class Entry:
                 for m in _ABSENT_RUN.finditer(self._states, start // cs, (end - 1) // cs + 1)
             ]
         return [(a * cs, min(b * cs, size)) for a, b in runs]
+
+    def missing_pages(self, start: int, end: int) -> list[tuple[int, int]]:
+        """PAGE-aligned byte ranges [a, b) within [start, end) (end clipped to the size)
+        held neither by a present chunk nor as pages from `store_pages`: what a small
+        random read must fetch."""
+        cs = self.chunk_size
+        per = cs // PAGE
+        out: list[tuple[int, int]] = []
+        with self._mu:
+            size = self.size
+            start, end = max(start, 0), min(end, size)
+            run: int | None = None
+            for p in range(start // PAGE, -(-end // PAGE) if start < end else 0):
+                c = p // per
+                have = self._states[c] != ABSENT or (self._pages.get(c, 0) >> (p % per)) & 1
+                if not have and run is None:
+                    run = p
+                elif have and run is not None:
+                    out.append((run * PAGE, p * PAGE))
+                    run = None
+            if run is not None:
+                out.append((run * PAGE, min(-(-end // PAGE) * PAGE, size)))
+        return out
+
+    def store_pages(self, offset: int, data: bytes | bytearray | memoryview) -> None:
+        """Cache the bytes of a small random read: `offset` PAGE-aligned, `data` whole
+        pages (the last may end at EOF). They serve `read_pages` until the last release
+        (see `_pages`); a whole-chunk `store` later supersedes them."""
+        mv = memoryview(data).cast("B")
+        end = offset + len(mv)
+        if offset < 0 or offset % PAGE or not mv or end > self.size or (len(mv) % PAGE and end != self.size):
+            raise ValueError(f"store_pages({offset}, {len(mv)} bytes) into {self.key!r}: not whole pages")
+        cs = self.chunk_size
+        per = cs // PAGE
+        lo, hi = offset // cs, (end - 1) // cs
+        with self._mu:
+            self._check_usable()
+            if self._state != CLEAN:
+                raise ValueError(f"store_pages() into {self.state} {self.key!r}: it is written locally")
+            self._pin(lo, hi)
+            self._storing += 1
+        try:
+            _pwrite_all(self._fd, mv, offset)  # same ETag: same bytes as any chunk there
+            with self._mu:
+                for p in range(offset // PAGE, -(-end // PAGE)):
+                    c = p // per
+                    if self._states[c] == ABSENT:
+                        self._pages[c] = self._pages.get(c, 0) | (1 << (p % per))
+        finally:
+            with self._mu:
+                self._unpin(lo, hi)
+                self._storing -= 1
+                if not self._storing:
+                    self._stores_done.notify_all()
+
+    def read_pages(self, offset: int, length: int) -> bytes:
+        """`read` that also serves pages held by `store_pages` (KeyError if any byte is
+        missing). Runs of present chunks go through `read`, so they are verified."""
+        cs = self.chunk_size
+        per = cs // PAGE
+        n = max(0, min(offset + length, self.size) - offset)
+        if not n:
+            return b""
+        parts: list[bytes] = []
+        pos, end = offset, offset + n
+        while pos < end:
+            c = pos // cs
+            seg_end = min(end, (c + 1) * cs)
+            with self._mu:
+                self._check_usable()
+                absent = self._states[c] == ABSENT
+                if absent:
+                    mask = self._pages.get(c, 0)
+                    for p in range(pos // PAGE, -(-seg_end // PAGE)):
+                        if not (mask >> (p % per)) & 1:
+                            raise KeyError(f"{self.key!r}: page {p} missing")
+                    self._pin(c, c)
+            if not absent:
+                while seg_end < end and self.present(seg_end, min(end, seg_end + cs)):
+                    seg_end = min(end, seg_end + cs)
+                parts.append(self.read(pos, seg_end - pos))
+            else:
+                try:
+                    parts.append(_pread(self._fd, seg_end - pos, pos))
+                finally:
+                    with self._mu:
+                        self._unpin(c, c)
+            pos = seg_end
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def present(self, start: int, end: int) -> bool:
         cs = self.chunk_size
@@ -370,6 +466,8 @@ class Entry:
                     self._cache._account(wt.used_delta)
                     self._cached += added
                 self._states[lo : hi + 1] = bytes((VERIFIED,)) * (hi - lo + 1)
+                for i in range(lo, hi + 1):
+                    self._pages.pop(i, None)
                 self._last = (lo, hi)
         finally:
             with self._mu:
@@ -487,6 +585,7 @@ class Entry:
         self._cache._account(wt.used_delta)
         self._state = DIRTY
         self._states[:n] = bytes((WRITTEN,)) * n
+        self._pages.clear()
 
     def _hash(self, offset: int, data: memoryview) -> None:
         """Keep running checksums of chunks written front to back, so sealing a file
@@ -554,6 +653,16 @@ class Entry:
         self._states[:] = bytes((VERIFIED,)) * len(self._states)
         self._sums.clear()
         self._hashers.clear()
+
+    def content_digest(self) -> str:
+        """xxh3-128 over the per-chunk xxh3-64 digests of a sealed object: a whole-object
+        hash that costs no re-read (the chunk digests were recorded at seal time)."""
+        with self._mu:
+            if self._state != SEALED:
+                raise ValueError(f"{self.key!r} is {self.state}: only a sealed entry has a digest")
+            n = len(self._states)
+        digests = self._cache._index.digests(self._fid, range(n))
+        return xxhash.xxh3_128_hexdigest(b"".join(digests[i] for i in range(n)))
 
     def _sealed_digest(self, i: int) -> bytes:
         length = self._chunk_len(i)
@@ -648,6 +757,12 @@ class Entry:
                 self._fd = -1
             if not self._detached and self._state != DIRTY and VERIFIED in self._states:
                 self._cache._stash(self._fid, self._states)
+            if not self._detached and self._state == CLEAN and self._pages:
+                with self._cache._lock:
+                    stash = self._cache.page_stash
+                    stash[self._fid] = self._pages
+                    while len(stash) > PAGE_STASH_OBJECTS:
+                        stash.popitem(last=False)
 
     def _persist(self) -> None:
         cache = self._cache

@@ -52,6 +52,7 @@ from tierfs.store.retry import Failure, call_with_retries
 
 log = logging.getLogger("tierfs.store")
 
+_READ_SLICE = 1 << 20  # largest readinto() per call on a response body (see _get)
 MIN_PART = 5 << 20  # S3's smallest part (all but the last)
 MAX_PARTS = 10_000
 CHECK_DEADLINE = 5.0  # check() gives up on an unreachable endpoint after about this long
@@ -454,7 +455,10 @@ class S3Store:
                 view = target[done : done + size]
                 got = 0
                 while got < size:
-                    n = body.readinto(view[got:])
+                    # Bounded slices: urllib3's readinto() allocates a temporary of the
+                    # requested size (two, with http.client); 8 MiB ones are fresh mmaps
+                    # (page faults, zeroing) per GET, 1 MiB ones are reused heap memory.
+                    n = body.readinto(view[got : got + _READ_SLICE])
                     if not n:
                         raise _ShortBody(f"body ended after {got} of {size} bytes")
                     got += n

@@ -1,0 +1,241 @@
+"""The write path through a real mount: POSIX writes, write-back, crash recovery."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import pickle
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import MountFactory
+from tests.support.mount import is_mounted, run_tierfs
+from tests.support.seaweed import SeaweedServer
+
+MiB = 1 << 20
+
+
+def obj(s3: SeaweedServer, bucket: str, key: str) -> bytes:
+    return s3.client().get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+def keys(s3: SeaweedServer, bucket: str) -> list[str]:
+    out = s3.client().list_objects_v2(Bucket=bucket)
+    return sorted(o["Key"] for o in out.get("Contents", []))
+
+
+def flush(m) -> None:  # type: ignore[no-untyped-def]
+    res = run_tierfs("flush", str(m.mountpoint), env=m.env, timeout=300)
+    assert res.returncode == 0, res.stderr
+
+
+def test_posix_writes(mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer) -> None:
+    s3_server.client().put_object(Bucket=bucket, Key="old.txt", Body=b"0123456789")
+    m = mount_factory(f"s3://{bucket}")
+    mp = m.mountpoint
+    # create + write-through (default class): in the bucket when close returns
+    (mp / "a.txt").write_bytes(b"hello")
+    assert obj(s3_server, bucket, "a.txt") == b"hello"
+    # overwrite in place, pwrite into the middle, append
+    with open(mp / "old.txt", "r+b") as f:
+        f.seek(3)
+        f.write(b"XY")
+    assert obj(s3_server, bucket, "old.txt") == b"012XY56789"
+    with open(mp / "old.txt", "ab") as f:
+        f.write(b"!")
+    assert (mp / "old.txt").read_bytes() == b"012XY56789!"
+    # sparse write past EOF, then truncate both ways
+    fd = os.open(mp / "sparse.bin", os.O_CREAT | os.O_WRONLY)
+    os.pwrite(fd, b"end", 3 * MiB)
+    os.ftruncate(fd, 3 * MiB + 1)
+    os.close(fd)
+    data = obj(s3_server, bucket, "sparse.bin")
+    assert len(data) == 3 * MiB + 1 and data[: 3 * MiB] == bytes(3 * MiB) and data[-1:] == b"e"
+    os.truncate(mp / "a.txt", 2)
+    assert obj(s3_server, bucket, "a.txt") == b"he"
+    # posix_fallocate works (glibc falls back to writing zeros)
+    fd = os.open(mp / "alloc.bin", os.O_CREAT | os.O_RDWR)
+    os.posix_fallocate(fd, 0, 8192)
+    os.close(fd)
+    assert os.stat(mp / "alloc.bin").st_size == 8192
+    # O_DIRECT with 4 KiB-aligned I/O
+    import mmap
+
+    buf = mmap.mmap(-1, 4096)
+    buf.write(b"d" * 4096)
+    fd = os.open(mp / "direct.bin", os.O_CREAT | os.O_WRONLY | os.O_DIRECT)
+    assert os.write(fd, buf) == 4096
+    os.close(fd)
+    assert obj(s3_server, bucket, "direct.bin") == b"d" * 4096
+    # mkdir/rmdir: empty directories persist as markers
+    os.mkdir(mp / "empty")
+    assert "empty/" in keys(s3_server, bucket)
+    with pytest.raises(FileExistsError):
+        os.mkdir(mp / "empty")
+    os.mkdir(mp / "full")
+    (mp / "full/x").write_bytes(b"x")
+    with pytest.raises(OSError) as exc:
+        os.rmdir(mp / "full")
+    assert exc.value.errno == errno.ENOTEMPTY
+    os.rmdir(mp / "empty")
+    assert "empty/" not in keys(s3_server, bucket)
+    # unlink
+    os.unlink(mp / "full/x")
+    assert "full/x" not in keys(s3_server, bucket)
+    # utimens is accepted; chmod/chown/symlink/link are refused with EPERM (README)
+    os.utime(mp / "old.txt", (1_000_000_000, 1_000_000_000))
+    for call in (lambda: os.chmod(mp / "old.txt", 0o600),
+                 lambda: os.chown(mp / "old.txt", 1234, 1234),
+                 lambda: os.symlink("old.txt", mp / "ln"),
+                 lambda: os.link(mp / "old.txt", mp / "hard")):
+        with pytest.raises(PermissionError):
+            call()
+    st = os.statvfs(mp)
+    assert st.f_blocks > 0 and st.f_bavail > 0
+    assert m.status()["pid"] == m.pid
+
+
+def test_writeback_checkpoint_lands_and_stays_cached(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+) -> None:
+    m = mount_factory(f"s3://{bucket}")
+    payload = os.urandom(40 * MiB)
+    os.makedirs(m.mountpoint / "ckpt/step-1")
+    with open(m.mountpoint / "ckpt/step-1/model.pt", "wb") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    # readable here before it is in the store (write-back)
+    assert hashlib.sha256((m.mountpoint / "ckpt/step-1/model.pt").read_bytes()).digest() == \
+        hashlib.sha256(payload).digest()
+    flush(m)
+    assert obj(s3_server, bucket, "ckpt/step-1/model.pt") == payload
+    head = s3_server.client().head_object(Bucket=bucket, Key="ckpt/step-1/model.pt")
+    assert "tierfs-xxh3tree" in head["Metadata"]
+    before = m.metric("tierfs_store_bytes_total{op=get}")
+    subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=False)
+    assert (m.mountpoint / "ckpt/step-1/model.pt").read_bytes() == payload
+    assert m.metric("tierfs_store_bytes_total{op=get}") == before  # no re-download
+
+
+def test_save_tmp_then_replace_and_directory_rename(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+) -> None:
+    m = mount_factory(f"s3://{bucket}")
+    mp = m.mountpoint
+    state = {"w": os.urandom(3 * MiB), "step": 7}
+    os.makedirs(mp / "run/tmp-checkpoint-7")
+    tmp = mp / "run/tmp-checkpoint-7/model.pt.tmp"
+    with open(tmp, "wb") as f:  # torch.save(obj, tmp) writes a pickle stream like this
+        pickle.dump(state, f)
+    os.replace(tmp, mp / "run/tmp-checkpoint-7/model.pt")
+    (mp / "run/tmp-checkpoint-7/trainer_state.json").write_text('{"step": 7}')
+    os.rename(mp / "run/tmp-checkpoint-7", mp / "run/checkpoint-7")
+    assert sorted(os.listdir(mp / "run")) == ["checkpoint-7"]
+    with open(mp / "run/checkpoint-7/model.pt", "rb") as f:
+        assert pickle.load(f) == state
+    flush(m)
+    assert keys(s3_server, bucket) == [
+        "run/", "run/checkpoint-7/", "run/checkpoint-7/model.pt", "run/checkpoint-7/trainer_state.json",
+    ]
+    assert pickle.loads(obj(s3_server, bucket, "run/checkpoint-7/model.pt")) == state
+    # rename over an existing file replaces it; RENAME_NOREPLACE semantics via link-less mv -n
+    (mp / "latest.txt").write_text("7")
+    (mp / "latest.tmp").write_text("8")
+    os.replace(mp / "latest.tmp", mp / "latest.txt")
+    assert obj(s3_server, bucket, "latest.txt") == b"8"
+    assert "latest.tmp" not in keys(s3_server, bucket)
+
+
+def test_kill9_after_close_then_remount_and_flush(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache-k9"
+    m = mount_factory(f"s3://{bucket}", cache_dir=cache)
+    payload = os.urandom(64 * MiB)
+    src = tmp_path / "src.bin"
+    src.write_bytes(payload)
+    os.makedirs(m.mountpoint / "ckpt/step-1")
+    subprocess.run(["dd", f"if={src}", f"of={m.mountpoint}/ckpt/step-1/model.pt", "bs=1M",
+                    "conv=fsync", "status=none"], check=True)
+    m.kill9()  # right after dd returned: the upload has barely started
+    m2 = mount_factory(f"s3://{bucket}", cache_dir=cache, mountpoint=m.mountpoint)
+    flush(m2)
+    assert obj(s3_server, bucket, "ckpt/step-1/model.pt") == payload
+
+
+def test_kill9_mid_upload_then_remount_and_flush(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache-k9b"
+    m = mount_factory(f"s3://{bucket}", cache_dir=cache)
+    payload = os.urandom(160 * MiB)
+    with open(m.mountpoint / "big.pt", "wb") as f:
+        f.write(payload)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # wait until some parts are acknowledged
+        pend = m.status().get("pending") or {}
+        if pend.get("uploaded_bytes", 0) > 0 or m.metric("tierfs_store_requests_total{op=multipart,status=ok}") > 2:
+            break
+        time.sleep(0.02)
+    m.kill9()
+    m2 = mount_factory(f"s3://{bucket}", cache_dir=cache, mountpoint=m.mountpoint)
+    flush(m2)
+    assert obj(s3_server, bucket, "big.pt") == payload
+
+
+def test_writer_killed_before_close_is_quarantined(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache-q"
+    m = mount_factory(f"s3://{bucket}", cache_dir=cache)
+    writer = subprocess.Popen(
+        ["python3", "-c",
+         "import sys,time; f=open(sys.argv[1],'wb'); f.write(b'x'*(3<<20)); f.flush(); "
+         "print('ok', flush=True); time.sleep(600)", str(m.mountpoint / "half.pt")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "ok"
+        m.kill9()
+    finally:
+        writer.kill()
+        writer.wait()
+    m2 = mount_factory(f"s3://{bucket}", cache_dir=cache, mountpoint=m.mountpoint)
+    flush(m2)
+    assert "half.pt" not in keys(s3_server, bucket)
+    q = m2.status()["quarantined"]["files"]
+    assert [e["key"] for e in q] == ["half.pt"]
+    kept = list((cache / "quarantine").glob("*.json"))
+    assert len(kept) == 1
+
+
+def test_full_cache_disk_gives_enospc_and_loses_nothing(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
+) -> None:
+    cache = tmp_path / "tiny-cache"
+    cache.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(cache)], check=True)
+    try:
+        m = mount_factory(f"s3://{bucket}", "--cache-size", "40M", cache_dir=cache)
+        closed = {}
+        for i in range(3):  # closed files: acknowledged
+            data = os.urandom(8 * MiB)
+            (m.mountpoint / f"ok-{i}.pt").write_bytes(data)
+            closed[f"ok-{i}.pt"] = data
+        with pytest.raises(OSError) as exc, open(m.mountpoint / "huge.pt", "wb") as f:
+            for _ in range(64):
+                f.write(os.urandom(MiB))
+            f.flush()
+            os.fsync(f.fileno())
+        assert exc.value.errno == errno.ENOSPC
+        flush(m)
+        for key, data in closed.items():
+            assert obj(s3_server, bucket, key) == data
+        m.umount()
+    finally:
+        subprocess.run(["umount", "-l", str(cache)], check=False)
+    assert not is_mounted(cache)

@@ -1,0 +1,460 @@
+"""Control-socket operations of a running mount (DESIGN §7).
+
+`status`, `warmup`, `cache ls|evict|verify|stats` and `policy` are answered
+here; daemon.py registers them on the control socket. Every cache call runs in
+a worker thread, never on the trio loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import math
+import os
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from tierfs.cache import Cache, Entry
+from tierfs.control import Emit
+from tierfs.metrics import Metrics
+from tierfs.namespace import ROOT_INODE, Namespace, Node
+from tierfs.policy import Policy
+from tierfs.reader import Reader
+from tierfs.store.base import StoreError
+
+if TYPE_CHECKING:
+    from tierfs.daemon import Daemon
+
+log = logging.getLogger(__name__)
+
+PROGRESS_INTERVAL = 0.25  # seconds between warmup progress lines
+MAX_WARMUP_PARALLEL = 64
+
+
+def _jsonable(v: Any) -> Any:
+    """inf/nan are not JSON: spell them as strings ('inf' is also what configs accept)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "inf" if v > 0 else str(v)
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def relpath(path: Any) -> str:
+    """A request's path, relative to the mount root ('' for the root itself)."""
+    if not isinstance(path, str):
+        raise ValueError("path must be a string")
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise ValueError(f"path {path!r} must not contain '..'")
+    return "/".join(parts)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.errno:
+        return os.strerror(exc.errno)
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    if obj is None:
+        return {}
+    if isinstance(obj, dict):
+        return obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    if hasattr(obj, "_asdict"):
+        return dict(obj._asdict())
+    return dict(vars(obj))
+
+
+class ControlOps:
+    def __init__(
+        self,
+        daemon: Daemon,
+        ns: Namespace,
+        reader: Reader,
+        cache: Cache,
+        policy: Policy,
+        metrics: Metrics,
+    ) -> None:
+        self.daemon = daemon
+        self.ns = ns
+        self.reader = reader
+        self.cache = cache
+        self.policy = policy
+        self.metrics = metrics
+        # Figures owned by trio-side objects, refreshed by `refresh_live` and read
+        # by the metrics scrape thread (which must not call into them itself).
+        self._pending_cached: dict[str, Any] = self._no_pending()
+        # tier-1 usage is the cache's own figure, read at scrape time
+        metrics.cache_bytes.set_function(lambda: cache.stats().used_bytes)
+
+    def handlers(self) -> dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]]:
+        return {
+            "status": self.status,
+            "cache_ls": self.cache_ls,
+            "cache_evict": self.cache_evict,
+            "cache_verify": self.cache_verify,
+            "cache_stats": self.cache_stats,
+            "policy": self.classify,
+        }
+
+    def stream_handlers(self) -> dict[str, Callable[[dict[str, Any], Emit], Awaitable[dict[str, Any]]]]:
+        return {"warmup": self.warmup}
+
+    # -- figures -------------------------------------------------------------------
+
+    @staticmethod
+    def _no_pending() -> dict[str, Any]:
+        return {"available": False, "count": 0, "bytes": 0, "oldest_age_s": None}
+
+    async def pending(self) -> dict[str, Any]:
+        """Pending uploads from the write path, if one is wired: the daemon's
+        optional `writeback` object with `summary()` / `pending_summary()` (or a
+        daemon-level `pending_summary()`), sync or async, returning a dict,
+        dataclass or namedtuple with count/bytes/oldest_age_s (a few spellings
+        accepted). Zeros and available=False until then."""
+        wb = getattr(self.daemon, "writeback", None)
+        fn = None
+        if wb is not None:
+            fn = getattr(wb, "summary", None) or getattr(wb, "pending_summary", None)
+        if fn is None:
+            fn = getattr(self.daemon, "pending_summary", None)
+        if fn is None:
+            return self._no_pending()
+        raw = fn()
+        if inspect.isawaitable(raw):
+            raw = await raw
+        d = _as_dict(raw)
+
+        def pick(*names: str, default: Any = 0) -> Any:
+            for n in names:
+                if n in d and d[n] is not None:
+                    return d[n]
+            return default
+
+        out = {
+            "available": True,
+            "count": int(pick("count", "files", "pending", "pending_files")),
+            "bytes": int(pick("bytes", "pending_bytes", "nbytes")),
+            "oldest_age_s": pick("oldest_age_s", "oldest_age", "oldest_s", "oldest", default=None),
+        }
+        for extra in ("uploaded_bytes", "open_for_write", "last_errors", "quarantined"):
+            if extra in d:
+                out[extra] = d[extra]
+        return out
+
+    def quarantined_files(self) -> int:
+        """Files kept aside, never uploaded: <cache>/quarantine/ (one .json note
+        per file, written by the write path) and rejected conditional PUTs in
+        <cache>/conflicts/."""
+        n = 0
+        for sub, want in (("quarantine", ".json"), ("conflicts", "")):
+            try:
+                with os.scandir(self.cache.root / sub) as it:
+                    n += sum(1 for de in it if de.name.endswith(want) and de.is_file())
+            except OSError:
+                pass
+        return n
+
+    def live_figures(self) -> dict[str, float]:
+        """For the metrics scrape thread: thread-safe sources only."""
+        st = self.cache.stats()
+        pending = self._pending_cached
+        out: dict[str, float] = {
+            "tierfs_cache_objects": st.objects,
+            "tierfs_cache_open_objects": st.open_objects,
+            "tierfs_evictions": st.evictions_total,
+            "tierfs_evicted_bytes": st.evicted_bytes_total,
+            "tierfs_corrupt_chunks": st.corrupt_chunks_total,
+            "tierfs_pending_uploads": pending["count"],
+            "tierfs_pending_upload_bytes": pending["bytes"],
+            "tierfs_quarantined_files": pending.get("quarantined_files", 0),
+        }
+        if pending.get("oldest_age_s") is not None:
+            out["tierfs_pending_upload_oldest_seconds"] = float(pending["oldest_age_s"])
+        return out
+
+    async def refresh_live(self) -> None:
+        """Keep the scrape-side copy of trio-owned figures fresh (runs in the nursery)."""
+        while True:
+            try:
+                pending = await self.pending()
+                pending["quarantined_files"] = await trio.to_thread.run_sync(self.quarantined_files)
+                self._pending_cached = pending
+            except Exception:
+                log.debug("pending summary unavailable", exc_info=True)
+            await trio.sleep(1.0)
+
+    async def status(self, req: dict[str, Any]) -> dict[str, Any]:
+        d = self.daemon
+        assert d.store is not None
+        cfg = d.cfg
+        stats = await trio.to_thread.run_sync(self.cache.stats)
+        self.metrics.cache_bytes.set(stats.used_bytes)
+        pending = await self.pending()
+        quarantined = {
+            "count": await trio.to_thread.run_sync(self.quarantined_files),
+            "files": list(pending.pop("quarantined", None) or []),
+        }
+        snap = self.metrics.snapshot()
+
+        def labelled(prefix: str) -> dict[str, dict[str, float]]:
+            """{'op=get,status=ok': v} samples of one family -> nested by label."""
+            out: dict[str, Any] = {}
+            for k, v in snap.items():
+                if k.startswith(prefix + "{"):
+                    labels = dict(p.split("=", 1) for p in k[len(prefix) + 1 : -1].split(","))
+                    out[",".join(f"{a}={b}" for a, b in labels.items())] = v
+            return out
+
+        cache_b = float(snap.get("tierfs_read_bytes_total{tier=cache}", 0.0))
+        store_b = float(snap.get("tierfs_read_bytes_total{tier=store}", 0.0))
+        requests: dict[str, dict[str, int]] = {}
+        for k, v in labelled("tierfs_store_requests_total").items():
+            lab = dict(p.split("=", 1) for p in k.split(","))
+            requests.setdefault(lab.get("op", "?"), {})[lab.get("status", "?")] = int(v)
+        errors = {k.split("=", 1)[1]: int(v) for k, v in labelled("tierfs_errors_total").items()}
+        return _jsonable({
+            "pid": os.getpid(),
+            "source": d.store.url,
+            "mountpoint": str(cfg.mountpoint),
+            "cache_dir": str(cfg.resolved_cache_dir()),
+            "config_file": str(cfg.config_file) if cfg.config_file else None,
+            "degraded": self.ns.degraded,
+            "cache": {
+                "used_bytes": stats.used_bytes,
+                "capacity_bytes": stats.capacity,
+                "objects": stats.objects,
+                "open_objects": stats.open_objects,
+                "evictions": stats.evictions_total,
+                "evicted_bytes": stats.evicted_bytes_total,
+                "corrupt_chunks": stats.corrupt_chunks_total,
+            },
+            "classes": {n: dataclasses.asdict(s) for n, s in cfg.classes.items()},
+            "rules": [{"glob": g, "class": c} for g, c in cfg.rules],
+            "default_class": cfg.default_class,
+            "reads": {
+                "cache_bytes": int(cache_b),
+                "store_bytes": int(store_b),
+                "total_bytes": int(cache_b + store_b),
+                "hit_ratio": cache_b / (cache_b + store_b) if cache_b + store_b else None,
+            },
+            "store": {
+                "get_bytes": int(snap.get("tierfs_store_bytes_total{op=get}", 0.0)),
+                "put_bytes": int(snap.get("tierfs_store_bytes_total{op=put}", 0.0)),
+                "requests": requests,
+            },
+            "pending": pending,
+            "quarantined": quarantined,
+            "read_latency": self.metrics.read_latency_summary(),
+            "errors": errors,
+            "metrics_addr": d.metrics_url,
+            "metrics": snap,
+        })
+
+    # -- paths -----------------------------------------------------------------------
+
+    async def resolve(self, rel: str) -> Node:
+        """Walk Namespace.lookup from the root, one component at a time."""
+        node = self.ns.get(ROOT_INODE)
+        for part in rel.split("/") if rel else ():
+            child = await self.ns.lookup(node.inode, part)
+            # lookup() counts a kernel reference; this one is ours, not the kernel's
+            child.lookups = max(0, child.lookups - 1)
+            node = child
+        return node
+
+    async def _walk(self, node: Node, out: list[Node], failed: list[dict[str, str]]) -> None:
+        try:
+            children = await self.ns.readdir(node.inode)
+        except (OSError, StoreError) as exc:
+            failed.append({"path": node.path or "/", "error": _reason(exc)})
+            return
+        for _, child in children:
+            if child.is_dir:
+                await self._walk(child, out, failed)
+            else:
+                out.append(child)
+
+    # -- warmup ------------------------------------------------------------------------
+
+    async def warmup(self, req: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        """Fetch files (or whole trees with recursive) into tier 1, N at a time,
+        sending a progress line every PROGRESS_INTERVAL."""
+        paths = req.get("paths")
+        if not isinstance(paths, list) or not paths:
+            raise ValueError("warmup needs a non-empty list of paths")
+        recursive = bool(req.get("recursive", False))
+        parallel = max(1, min(int(req.get("parallel", 4)), MAX_WARMUP_PARALLEL))
+        started = time.monotonic()
+        failed: list[dict[str, str]] = []
+        files: list[Node] = []
+        for p in paths:
+            try:
+                rel = relpath(p)
+                node = await self.resolve(rel)
+            except (OSError, StoreError, ValueError) as exc:
+                failed.append({"path": str(p), "error": _reason(exc)})
+                continue
+            if node.is_dir:
+                if recursive:
+                    await self._walk(node, files, failed)
+                else:
+                    failed.append({"path": rel or "/", "error": "is a directory (use --recursive)"})
+            else:
+                files.append(node)
+        seen: set[int] = set()
+        files = [n for n in files if not (n.inode in seen or seen.add(n.inode))]
+        total = sum(n.size for n in files)
+        get_before = self._fetched_bytes()
+        done = {"bytes": 0, "files": 0}
+        active: dict[int, Entry] = {}
+        await emit({"event": "start", "files": len(files), "bytes": total})
+
+        def progress_now() -> dict[str, Any]:
+            partial = 0
+            for e in list(active.values()):
+                partial += e.size - sum(b - a for a, b in e.missing(0, e.size))
+            return {
+                "event": "progress",
+                "done_bytes": done["bytes"] + partial,
+                "bytes": total,
+                "done_files": done["files"],
+                "files": len(files),
+                "failed": len(failed),
+                "elapsed": time.monotonic() - started,
+            }
+
+        async def one(node: Node, limit: trio.Semaphore) -> None:
+            async with limit:
+                if node.size > self.cache.capacity:
+                    failed.append({"path": node.path, "error": (
+                        f"larger ({node.size} B) than the tier-1 limit ({self.cache.capacity} B)")})
+                    done["bytes"] += node.size
+                    return
+                try:
+                    if node.settings.revalidate_on_open:
+                        await self.ns.revalidate(node)
+                    entry = await self.ns.workers.disk(
+                        self.cache.open, node.path, node.etag, node.size, node.mtime
+                    )
+                except (OSError, StoreError) as exc:
+                    failed.append({"path": node.path, "error": _reason(exc)})
+                    done["bytes"] += node.size
+                    return
+                active[node.inode] = entry
+                try:
+                    await self.reader.ensure(entry, 0, entry.size, whole_parts=True)
+                    done["files"] += 1
+                except (OSError, StoreError) as exc:
+                    failed.append({"path": node.path, "error": _reason(exc)})
+                finally:
+                    del active[node.inode]
+                    done["bytes"] += node.size
+                    with trio.CancelScope(shield=True):
+                        await self.ns.workers.disk(self.cache.release, entry)
+
+        async def ticker() -> None:
+            while True:
+                await trio.sleep(PROGRESS_INTERVAL)
+                await emit(await trio.to_thread.run_sync(progress_now))
+
+        async with trio.open_nursery() as outer:
+            outer.start_soon(ticker)
+            limit = trio.Semaphore(parallel)
+            async with trio.open_nursery() as inner:
+                for node in files:
+                    inner.start_soon(one, node, limit)
+            outer.cancel_scope.cancel()
+        await emit(progress_now())
+        fetched = self._fetched_bytes() - get_before
+        seconds = time.monotonic() - started
+        log.info("warmup: %d file(s), %d bytes in %.1fs, %d failed",
+                 done["files"], total, seconds, len(failed))
+        return {
+            "files": len(files),
+            "warmed_files": done["files"],
+            "bytes": total,
+            "fetched_bytes": int(fetched),
+            "seconds": seconds,
+            "failed": failed,
+        }
+
+    def _fetched_bytes(self) -> float:
+        return float(self.metrics.snapshot().get("tierfs_store_bytes_total{op=get}", 0.0))
+
+    # -- cache -----------------------------------------------------------------------
+
+    async def cache_ls(self, req: dict[str, Any]) -> dict[str, Any]:
+        prefix = relpath(req.get("prefix", ""))
+
+        def listing() -> list[dict[str, Any]]:
+            return [dataclasses.asdict(o) for o in self.cache.iter_objects(prefix)]
+
+        objs = await trio.to_thread.run_sync(listing)
+        objs.sort(key=lambda o: o["key"])
+        return {"objects": objs}
+
+    async def cache_evict(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Drop one object's cached bytes, or every object under a directory."""
+        rel = relpath(req.get("path", ""))
+
+        def evict() -> dict[str, Any]:
+            exact = self.cache.lookup(rel) if rel else None
+            if exact is not None:
+                keys = [rel]
+            else:
+                prefix = f"{rel}/" if rel else ""
+                keys = [o.key for o in self.cache.iter_objects(prefix)]
+            evicted, refused = [], []
+            for k in keys:
+                before = self.cache.lookup(k)
+                if self.cache.evict(k):
+                    evicted.append({"key": k, "bytes": before.cached_bytes if before else 0})
+                else:
+                    refused.append(k)
+            return {"evicted": evicted, "refused": refused}
+
+        out = await trio.to_thread.run_sync(evict)
+        if not out["evicted"] and not out["refused"]:
+            raise ValueError(f"{rel or '/'}: nothing of it is in tier 1")
+        log.info("cache evict %s: %d object(s) evicted, %d refused (not uploaded yet)",
+                 rel or "/", len(out["evicted"]), len(out["refused"]))
+        return out
+
+    async def cache_verify(self, req: dict[str, Any]) -> dict[str, Any]:
+        started = time.monotonic()
+        report = await trio.to_thread.run_sync(self.cache.verify_all)
+        stats = await trio.to_thread.run_sync(self.cache.stats)
+        bad = [{"key": k, "chunks": chunks} for k, chunks in report]
+        if bad:
+            log.warning("cache verify: dropped %d bad chunk(s) in %d object(s)",
+                        sum(len(b["chunks"]) for b in bad), len(bad))
+        return {"objects": stats.objects, "bad": bad, "seconds": time.monotonic() - started}
+
+    async def cache_stats(self, req: dict[str, Any]) -> dict[str, Any]:
+        stats = await trio.to_thread.run_sync(self.cache.stats)
+        return {"stats": dataclasses.asdict(stats), "cache_dir": str(Path(self.cache.root))}
+
+    # -- policy ----------------------------------------------------------------------
+
+    async def classify(self, req: dict[str, Any]) -> dict[str, Any]:
+        rel = relpath(req.get("path", ""))
+        decision = self.policy.classify(rel)
+        return _jsonable({
+            "path": rel,
+            "class": decision.settings.name,
+            "rule": decision.rule,
+            "settings": dataclasses.asdict(decision.settings),
+        })
