@@ -84,6 +84,7 @@ def build_mount_config(args: argparse.Namespace) -> MountConfig:
         endpoint_url=args.endpoint_url,
         foreground=args.foreground,
         allow_other=args.allow_other or None,
+        allow_unsafe_manifests=args.allow_unsafe_manifests or None,
         log_level=args.log_level,
         metrics_addr=args.metrics_addr,
         metrics_allow_remote=args.metrics_allow_remote or None,
@@ -162,6 +163,8 @@ def spawn_daemon(args: argparse.Namespace, cfg: MountConfig) -> int:
         argv += ["--endpoint-url", args.endpoint_url]
     if args.allow_other:
         argv.append("--allow-other")
+    if args.allow_unsafe_manifests:
+        argv.append("--allow-unsafe-manifests")
     if args.log_file:
         argv += ["--log-file", os.path.abspath(args.log_file)]
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -329,6 +332,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS)")
     m.add_argument("--foreground", "-f", action="store_true", help="stay attached; unmount on SIGINT/SIGTERM")
     m.add_argument("--allow-other", action="store_true", help="let other users access the mount")
+    m.add_argument("--allow-unsafe-manifests", action="store_true",
+                   help="mount even if the store ignores conditional writes (manifests then "
+                        "publish with plain PUTs)")
     m.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                    help="default: info (or logging.level of the config)")
     m.add_argument("--metrics-addr", metavar="HOST:PORT",

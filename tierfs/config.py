@@ -62,7 +62,11 @@ class ClassSettings:
     list_ttl: float  # directory listing cache lifetime, seconds
     revalidate_on_open: bool  # HEAD/conditional GET on every lookup and open
     keep_cache: bool  # keep kernel page cache across opens
-    write_mode: str  # "writeback" | "writethrough"
+    # "writeback": close returns once sealed locally, upload follows;
+    # "writethrough": close returns once the store has it;
+    # "publish": writethrough + barrier (every upload pending in the directory
+    # subtree lands first) + conditional PUT (If-Match / If-None-Match: *).
+    write_mode: str
     readahead_max: int  # bytes; 0 disables readahead for the class
 
 
@@ -77,7 +81,7 @@ DEFAULT_CLASSES: dict[str, ClassSettings] = {
     ),
     "manifest": ClassSettings(
         "manifest", attr_ttl=0.0, list_ttl=0.0, revalidate_on_open=True,
-        keep_cache=False, write_mode="writethrough", readahead_max=8 * MiB,
+        keep_cache=False, write_mode="publish", readahead_max=8 * MiB,
     ),
     "default": ClassSettings(
         "default", attr_ttl=10.0, list_ttl=10.0, revalidate_on_open=False,
@@ -132,6 +136,9 @@ class MountConfig:
     endpoint_url: str | None = None
     foreground: bool = False
     allow_other: bool = False
+    # Publish manifests with plain PUTs on a store that ignores conditional
+    # writes (losing the lost-race detection; the barrier still holds).
+    allow_unsafe_manifests: bool = False
     log_level: str = "info"
     config_file: Path | None = None  # the TOML file the settings came from, if any
     # Prometheus text endpoint ("HOST:PORT"); off when None. Loopback only
@@ -210,7 +217,7 @@ def parse_listen_addr(text: str, allow_remote: bool = False) -> tuple[str, int]:
 # -- TOML config file -----------------------------------------------------------
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-WRITE_MODES = ("writeback", "writethrough")
+WRITE_MODES = ("writeback", "writethrough", "publish")
 
 
 class ConfigFileError(ConfigError):
@@ -300,6 +307,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("", "source"): ("source", _want_source),
     ("", "mountpoint"): ("mountpoint", _want_abs_path),
     ("", "allow_other"): ("allow_other", _want_bool),
+    ("", "allow_unsafe_manifests"): ("allow_unsafe_manifests", _want_bool),
     ("", "default_class"): ("default_class", _want_str),
     ("cache", "dir"): ("cache_dir", _want_abs_path),
     ("cache", "size"): ("cache_size", _want_pos_size),
@@ -311,6 +319,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("store", "deadline"): ("deadline", _want_finite_seconds),
     ("store", "max_parallel_gets"): ("max_parallel_gets", _want_pos_int),
     ("store", "max_parallel_puts"): ("max_parallel_puts", _want_pos_int),
+    ("store", "max_parallel_uploads"): ("max_parallel_uploads", _want_pos_int),
     ("read", "readahead"): ("readahead_max", _want_size),
     ("read", "readahead_min"): ("readahead_min", _want_pos_size),
     ("read", "max_inflight"): ("max_inflight_bytes", _want_pos_size),

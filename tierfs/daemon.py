@@ -107,6 +107,19 @@ class Daemon:
         self.metrics_url: str | None = None
         self._metrics_http: Any = None
         self.writeback: WriteBack | None = None
+        self.namespace: Namespace | None = None
+        self.unsafe_manifests = False
+
+    def _observe_store(self, op: str, outcome: str, seconds: float, nbytes: int) -> None:
+        """Every store request: metrics, and degraded mode when any operation (an
+        upload or a read, not only a listing) found the store down for a whole
+        deadline; Namespace.watch_store leaves it once the store answers.
+        Runs in worker threads: only a flag is set."""
+        self.metrics.store_request(op, outcome, seconds, nbytes)
+        ns = self.namespace
+        if ns is not None and outcome in UNREACHABLE_KINDS and not ns.degraded:
+            log.warning("store unreachable (%s failed: %s): degraded mode", op, outcome)
+            ns.degraded = True
 
     def prepare(self) -> None:
         """Every check that needs no mount; raises MountError with the reason."""
@@ -121,7 +134,7 @@ class Daemon:
                 connect_timeout=cfg.connect_timeout,
                 read_timeout=cfg.read_timeout,
                 deadline=cfg.deadline,
-                observer=self.metrics.store_request,
+                observer=self._observe_store,
             )
         except StoreError as exc:
             raise MountError(str(exc)) from None
@@ -157,6 +170,33 @@ class Daemon:
             else:
                 self.cache.close()
                 raise MountError(str(exc)) from None
+        else:
+            self._check_conditional_writes()
+
+    def _check_conditional_writes(self) -> None:
+        """Manifests rely on If-Match / If-None-Match: * being enforced; probe once."""
+        assert self.store is not None and self.cache is not None
+        cfg = self.cfg
+        publishing = [c.name for c in cfg.classes.values() if c.write_mode == "publish"]
+        if not publishing:
+            return
+        try:
+            ok = self.store.probe_conditional_put()
+        except StoreError as exc:
+            self.warnings.append(f"could not probe conditional writes ({exc}); "
+                                 "manifest publishing will fail if the store ignores them")
+            return
+        if ok:
+            return
+        if not cfg.allow_unsafe_manifests:
+            self.cache.close()
+            raise MountError(
+                f"{self.store.url} does not enforce conditional writes (If-Match / "
+                f"If-None-Match), which the {', '.join(publishing)} class needs; pass "
+                "--allow-unsafe-manifests to publish with plain PUTs"
+            )
+        self.warnings.append("store ignores conditional writes: manifests publish unconditionally")
+        self.unsafe_manifests = True
 
     def start_metrics(self) -> None:
         """Serve Prometheus text on cfg.metrics_addr from a daemon thread (dies
@@ -229,9 +269,12 @@ class Daemon:
                 quarantine_dir=cfg.resolved_cache_dir() / "quarantine",
                 max_uploads=cfg.max_parallel_uploads,
                 on_uploaded=ns.uploaded,
+                conditional=not self.unsafe_manifests,
                 observe=self.metrics.writeback_event,
             )
             ns.overlay = wb
+            self.namespace = ns
+            nursery.start_soon(ns.watch_store)
             await wb.recover()
             nursery.start_soon(wb.run)
             ops = TierFS(

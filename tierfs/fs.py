@@ -26,13 +26,14 @@ from tierfs.metrics import Metrics
 from tierfs.namespace import Namespace, Node
 from tierfs.policy import glob_to_regex
 from tierfs.reader import Reader, ReadState
-from tierfs.store.base import StoreError
+from tierfs.store.base import ObjectInfo, StoreError
 from tierfs.writeback import WriteBack
 
 log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 CONTROL_XATTR = b"user.tierfs.control"
+LOG_EVERY = 10.0  # seconds between log lines of one error kind
 
 
 def fuse_errors(fn: F) -> F:
@@ -46,12 +47,13 @@ def fuse_errors(fn: F) -> F:
             raise
         except StoreError as exc:
             self.metrics.error(exc.kind)
-            log.info("%s: store error: %s", fn.__name__, exc)
+            self.log_limited(exc.kind, "%s: store error: %s", fn.__name__, exc)
             raise pyfuse3.FUSEError(exc.errno) from None
         except OSError as exc:
-            if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EROFS):
-                self.metrics.error(errno.errorcode.get(exc.errno or errno.EIO, "io").lower())
-                log.info("%s: %s", fn.__name__, exc)
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY):
+                kind = errno.errorcode.get(exc.errno or errno.EIO, "io").lower()
+                self.metrics.error(kind)
+                self.log_limited(kind, "%s: %s", fn.__name__, exc)
             raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
         except Exception:
             self.metrics.error("internal")
@@ -68,6 +70,7 @@ class Handle:
     state: ReadState = field(default_factory=ReadState)
     dirty: bool = False  # written since the last seal
     writable: bool = False  # counted in the write-back writer count until released
+    base_etag: str | None = None  # the store version this handle read (manifest If-Match)
 
 
 class TierFS(pyfuse3.Operations):
@@ -101,6 +104,7 @@ class TierFS(pyfuse3.Operations):
         self._dirs: dict[int, list[tuple[str, Node]]] = {}
         self._kernel_generation: dict[int, int] = {}
         self.uid, self.gid = os.getuid(), os.getgid()
+        self._logged: dict[str, tuple[float, int]] = {}
 
     # -- attributes ------------------------------------------------------------
 
@@ -174,7 +178,7 @@ class TierFS(pyfuse3.Operations):
             await self.ns.revalidate(node)
         entry = await self.ns.workers.disk(self.cache.open, node.path, node.etag, node.size, node.mtime)
         fh = self._new_fh()
-        h = self._handles[fh] = Handle(node, entry, writable=writing)
+        h = self._handles[fh] = Handle(node, entry, writable=writing, base_etag=node.etag or None)
         if writing:
             self.wb.writer_opened(node.path, entry.size)
             await self.wb.prepare_write(node.path)
@@ -212,6 +216,11 @@ class TierFS(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> bytes:
         h = self._handles[fh]
         started = time.perf_counter()
+        if self.ns.degraded and h.entry.state == "clean" and h.entry.missing_pages(off, off + size):
+            # The store is known down: bytes tier 1 lacks fail at once, not after
+            # another store deadline (the kernel retries a failed readahead with
+            # a second read, which would double the caller's wait).
+            raise StoreError("store unreachable (degraded mode)", kind="unreachable")
         data = await self.reader.read(h.entry, h.state, off, size, h.node.settings.readahead_max)
         self.metrics.read_latency(time.perf_counter() - started)
         return data
@@ -309,8 +318,13 @@ class TierFS(pyfuse3.Operations):
 
     async def _seal(self, h: Handle) -> None:
         h.dirty = False
+        mode = h.node.settings.write_mode
         try:
-            await self.wb.seal(h.entry, write_through=h.node.settings.write_mode != "writeback")
+            if mode == "publish":
+                info = await self.wb.publish(h.entry, if_match=h.base_etag)
+                h.base_etag = info.etag
+            else:
+                await self.wb.seal(h.entry, write_through=mode != "writeback")
         except BaseException:
             h.dirty = h.entry.state == "dirty"
             raise
@@ -436,6 +450,13 @@ class TierFS(pyfuse3.Operations):
                     raise pyfuse3.FUSEError(errno.ENOTEMPTY)
                 await self.wb.remove_dir(dst.key)
         new_parent = self.ns.get(parent_inode_new)
+        target = f"{new_parent.key}{new}"
+        if not src.is_dir and self.ns.policy.settings(target).write_mode == "publish":
+            info = await self._publish_rename(src, target, dst)
+            self.ns.move(parent_inode_old, old, parent_inode_new, new)
+            self.ns.uploaded(target, info)
+            self.metrics.meta_op("rename")
+            return
         if src.is_dir:
             copied = await self.wb.rename_tree(src.key, f"{new_parent.key}{new}/")
         else:
@@ -444,6 +465,19 @@ class TierFS(pyfuse3.Operations):
         for info in copied:
             self.ns.uploaded(info.key, info)
         self.metrics.meta_op("rename")
+
+    async def _publish_rename(self, src: Node, target: str, dst: Node | None) -> ObjectInfo:
+        """os.replace(tmp, manifest) is the commit point of a checkpoint: publish it
+        like a manifest close (barrier + conditional PUT), then drop the source."""
+        entry = await self.ns.workers.disk(self.cache.open, src.path, src.etag, src.size, src.mtime)
+        try:
+            if entry.state == "clean":
+                await self.reader.ensure(entry, 0, entry.size, whole_parts=True)
+            info = await self.wb.publish_rename(entry, target, if_match=dst.etag if dst else None)
+        finally:
+            await self.ns.workers.disk(self.cache.release, entry)
+        await self.wb.delete(src.path)
+        return info
 
     @fuse_errors
     async def symlink(
@@ -505,6 +539,17 @@ class TierFS(pyfuse3.Operations):
     @fuse_errors
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         return [CONTROL_XATTR] if inode == pyfuse3.ROOT_INODE else []
+
+    def log_limited(self, kind: str, fmt: str, *args: object) -> None:
+        """One line per error kind per LOG_EVERY seconds: an outage must not flood the log."""
+        now = time.monotonic()
+        last, suppressed = self._logged.get(kind, (-LOG_EVERY, 0))
+        if now - last < LOG_EVERY:
+            self._logged[kind] = (last, suppressed + 1)
+            return
+        more = f" ({suppressed} more like it suppressed)" if suppressed else ""
+        log.warning(fmt + more, *args)
+        self._logged[kind] = (now, 0)
 
     def invalidate(self, inode: int) -> None:
         """Called by the namespace when an object's ETag changed: drop kernel pages."""

@@ -34,6 +34,8 @@ ROOT_INODE = 1
 NAME_MAX = 255
 # A store that fails in one of these ways is "down": fall back to the index.
 UNREACHABLE_KINDS = frozenset({"unreachable", "timeout", "throttled"})
+# One open(2) is a lookup, an open and an fstat: the lookup's HEAD serves all three.
+STRICT_REUSE = 1.0
 DEGRADED_RETRY = 5.0  # seconds before a degraded listing is retried against the store
 
 
@@ -50,6 +52,7 @@ class Node:
     children: dict[str, int] | None = None  # name -> inode, once listed
     children_expire: float = -math.inf
     lookups: int = 0  # kernel references (lookup counts minus forgets)
+    validated_at: float = -math.inf  # monotonic time of the last HEAD
     generation: int = 0  # bumped when the object behind the node changes
 
     @property
@@ -159,6 +162,15 @@ class Namespace:
         node.size, node.mtime, node.etag = lf.size, lf.mtime, ""
         node.attr_expire = time.monotonic() + node.settings.attr_ttl
 
+    def _expire_listings(self, path: str) -> None:
+        """Make the listings of `path` and every directory below it stale."""
+        below = f"{path}/" if path else ""
+        for p, inode in self._by_path.items():
+            if p == path or p.startswith(below):
+                node = self._nodes[inode]
+                if node.is_dir:
+                    node.children_expire = -math.inf
+
     def forget(self, items: Iterable[tuple[int, int]]) -> None:
         for inode, count in items:
             node = self._nodes.get(inode)
@@ -173,19 +185,37 @@ class Namespace:
     # -- store access ----------------------------------------------------------
 
     async def _fetch_listing(self, node: Node) -> Listing:
-        try:
-            listing = await self.workers.meta(self.store.list_dir, node.key)
-        except StoreError as exc:
-            if exc.kind not in UNREACHABLE_KINDS:
-                raise
+        """The store's listing; while the store is known to be down, the index's,
+        at once (not after a store deadline per directory)."""
+        if not self.degraded:
+            try:
+                return await self.workers.meta(self.store.list_dir, node.key)
+            except StoreError as exc:
+                if exc.kind not in UNREACHABLE_KINDS:
+                    raise
+                self._store_down(exc)
+        return await self.workers.disk(self._listing_from_index, node.key)
+
+    def _store_down(self, exc: StoreError) -> None:
+        if not self.degraded:
+            log.warning("store unreachable (%s): degraded mode, serving from the cache index", exc)
+        self.degraded = True
+
+    async def watch_store(self, interval: float = DEGRADED_RETRY) -> None:
+        """While degraded, probe the store in the background; leave degraded mode
+        (and re-list from the store) as soon as it answers."""
+        while True:
+            await trio.sleep(interval)
             if not self.degraded:
-                log.warning("store unreachable (%s): serving listings from the cache index", exc)
-            self.degraded = True
-            return await self.workers.disk(self._listing_from_index, node.key)
-        if self.degraded:
+                continue
+            try:
+                await self.workers.meta(self.store.check)
+            except StoreError:
+                continue
             log.info("store reachable again: leaving degraded mode")
             self.degraded = False
-        return listing
+            for node in self._nodes.values():
+                node.children_expire = -math.inf
 
     def _listing_from_index(self, prefix: str) -> Listing:
         files: list[ObjectInfo] = []
@@ -252,13 +282,15 @@ class Namespace:
         node.children_expire = now + ttl
 
     async def _head(self, path: str) -> ObjectInfo | None:
+        if self.degraded:
+            raise StoreError("store unreachable (degraded mode)", kind="unreachable")
         try:
             return await self.workers.meta(self.store.head, path)
         except StoreError as exc:
             if exc.errno == errno.ENOENT:
                 return None
             if exc.kind in UNREACHABLE_KINDS:
-                self.degraded = True
+                self._store_down(exc)
             raise
 
     # -- operations ------------------------------------------------------------
@@ -306,10 +338,16 @@ class Namespace:
             info = ObjectInfo(cached.key, cached.size, cached.etag, cached.mtime)
         if info is not None:
             node = self._node_for(path, False)
+            if node.etag != info.etag:
+                # A new or changed manifest vouches for files in its directory
+                # subtree: listings cached from before it may not show them yet.
+                self._expire_listings(parent.path)
             self._apply_info(node, info, time.monotonic())
+            node.validated_at = time.monotonic()
         else:
             # Not an object; perhaps a prefix. A listing of the parent decides.
-            await self._refresh_children(parent)
+            if parent.children is None or time.monotonic() >= parent.children_expire:
+                await self._refresh_children(parent)
             assert parent.children is not None
             inode = parent.children.get(name)
             if inode is None or not self._nodes[inode].is_dir:
@@ -330,10 +368,13 @@ class Namespace:
 
     async def revalidate(self, node: Node) -> None:
         """HEAD a file and take what the store says; ENOENT if it is gone.
-        A file written on this node and not yet uploaded is its own truth."""
+        A file written on this node and not yet uploaded is its own truth; a HEAD
+        within STRICT_REUSE seconds (the lookup of this same open) is reused."""
         lf = self.overlay.local.get(node.path)
         if lf is not None:
             self._apply_local(node, lf)
+            return
+        if time.monotonic() - node.validated_at < STRICT_REUSE:
             return
         try:
             info = await self._head(node.path)
@@ -344,6 +385,7 @@ class Namespace:
         if info is None:
             raise OSError(errno.ENOENT, "object no longer exists")
         self._apply_info(node, info, time.monotonic())
+        node.validated_at = time.monotonic()
 
     async def readdir(self, inode: int) -> list[tuple[str, Node]]:
         node = self.get(inode)

@@ -74,6 +74,7 @@ class WriteBack:
         max_uploads: int = 2,
         on_uploaded: Callable[[str, ObjectInfo], None] = lambda key, info: None,
         observe: Callable[[str, int], None] = lambda what, n: None,
+        conditional: bool = True,
     ) -> None:
         self.store = store
         self.cache = cache
@@ -82,6 +83,8 @@ class WriteBack:
         self.quarantine_dir = quarantine_dir
         self.on_uploaded = on_uploaded
         self.observe = observe
+        self.conditional = conditional
+        self.conflicts_dir = quarantine_dir.parent / "conflicts"
         self.local: dict[str, LocalFile] = {}
         self.quarantined: list[dict[str, object]] = []
         self._send, self._recv = trio.open_memory_channel[str](math.inf)
@@ -93,7 +96,9 @@ class WriteBack:
         """Re-queue every sealed file; quarantine what was never sealed."""
         objs = await self.workers.disk(lambda: list(self.cache.iter_objects()))
         for obj in objs:
-            if obj.state == "sealed" and self.policy.settings(obj.key).name != "manifest":
+            # A sealed manifest was never published: publishing it now would skip
+            # the barrier and the condition its writer was promised.
+            if obj.state == "sealed" and self.policy.settings(obj.key).write_mode != "publish":
                 lf = self.local[obj.key] = LocalFile(obj.size, obj.mtime, time.monotonic())
                 log.info("resuming upload of %r (%d bytes) sealed before a restart", obj.key, lf.size)
                 self._send.send_nowait(obj.key)
@@ -390,11 +395,78 @@ class WriteBack:
                 files[head] = lf
         return files, dirs
 
-    async def flush(self, prefix: str = "") -> None:
+    async def flush(self, prefix: str = "", exclude: frozenset[str] = frozenset()) -> None:
         """Barrier: return once every file pending under `prefix` right now has landed."""
-        waits = [lf for key, lf in self.local.items() if key.startswith(prefix) and lf.sealed_at is not None]
+        waits = [lf for key, lf in self.local.items()
+                 if key.startswith(prefix) and lf.sealed_at is not None and key not in exclude]
         for lf in waits:
             await lf.done.wait()
+
+    # -- manifests: barrier + conditional PUT (DESIGN §2) -----------------------
+
+    async def publish(self, entry: Entry, *, if_match: str | None) -> ObjectInfo:
+        """Close/fsync of a manifest: seal, wait for every upload pending in its
+        directory subtree, then PUT it only if the store still holds the version
+        this writer read (`if_match`), or nothing at all (`if_match` None).
+        A lost race: ESTALE, the rejected bytes kept under conflicts/."""
+        key = entry.key
+        await self.workers.disk(entry.set_state, "sealed")
+        lf = self.local.get(key) or self.note_dirty(key, entry.size)
+        lf.size, lf.sealed_at = entry.size, time.monotonic()
+        await self.flush(_parent_prefix(key), exclude=frozenset({key}))
+        try:
+            info = await self.workers.data(self._put_manifest, entry, entry.path, key, if_match)
+        except StoreError as exc:
+            await self.workers.disk(self._keep_conflict, entry, str(exc))
+            if self.local.get(key) is lf:
+                del self.local[key]
+            lf.done.set()
+            if exc.kind == "precondition":
+                log.warning("manifest %r lost a concurrent update: kept under %s, not published",
+                            key, self.conflicts_dir)
+                raise OSError(errno.ESTALE, f"{key}: changed in the store since it was opened") from None
+            raise OSError(exc.errno or errno.EIO, str(exc)) from None
+        if self.local.get(key) is lf:
+            lf.sealed_at = None
+            if not lf.writers:
+                del self.local[key]
+        lf.done.set()
+        self.on_uploaded(key, info)
+        return info
+
+    async def publish_rename(self, src: Entry, dst: str, *, if_match: str | None) -> ObjectInfo:
+        """rename(tmp, manifest): the same barrier and condition, then the source goes.
+        `src` must be whole in tier 1. A lost race: ESTALE, the source stays."""
+        await self.flush(_parent_prefix(dst), exclude=frozenset({src.key}))
+        try:
+            info = await self.workers.data(self._put_manifest, None, src.path, dst, if_match)
+        except StoreError as exc:
+            if exc.kind == "precondition":
+                log.warning("rename onto manifest %r lost a concurrent update; %r kept", dst, src.key)
+                raise OSError(errno.ESTALE, f"{dst}: changed in the store") from None
+            raise
+        await self._drop_local(dst)
+        await self.workers.disk(self.cache.remove, dst)
+        return info
+
+    def _put_manifest(self, entry: Entry | None, path: Path, key: str, if_match: str | None) -> ObjectInfo:
+        cond: dict[str, object] = {}
+        if self.conditional:
+            cond = {"if_match": if_match} if if_match else {"if_none_match": True}
+        self.store.put_file(key, str(path), **cond)  # type: ignore[arg-type]
+        info = self.store.head(key)
+        if entry is not None and entry.state == "sealed":
+            entry.set_state("clean", etag=info.etag, mtime=info.mtime)
+        return info
+
+    def _keep_conflict(self, entry: Entry, reason: str) -> None:
+        """Keep bytes the store refused, named by hash, with a note; drop them from the cache."""
+        self.conflicts_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        name = f"{time.strftime('%Y%m%dT%H%M%S')}-{entry.path.name}"
+        os.link(entry.path, self.conflicts_dir / name)
+        note = {"key": entry.key, "size": entry.size, "file": name, "reason": reason}
+        (self.conflicts_dir / f"{name}.json").write_text(json.dumps(note))
+        self.cache.remove(entry.key)
 
     def summary(self, prefix: str = "") -> dict[str, object]:
         now = time.monotonic()
@@ -417,3 +489,9 @@ class WriteBack:
     def close(self) -> None:
         with contextlib.suppress(trio.ClosedResourceError):
             self._send.close()
+
+
+def _parent_prefix(key: str) -> str:
+    """The directory subtree a manifest speaks for: 'a/b/.metadata' -> 'a/b/'."""
+    head, sep, _ = key.rpartition("/")
+    return head + sep
