@@ -45,6 +45,9 @@ from tierfs.cache.index import (
 )
 from tierfs.cache.objects import ChunkCorrupt, Entry, nchunks, punch_hole
 
+FREE_RECHECK = 0.5  # seconds between statvfs calls of the free-space floor
+FREE_RECHECK_BYTES = 64 << 20  # ...or sooner, after this much growth of our own
+
 __all__ = [
     "Cache",
     "CacheBusy",
@@ -143,6 +146,7 @@ class Cache:
         # closed objects, for their next open; dropped with the file (`_unlink`).
         self.page_stash: OrderedDict[bytes, dict[int, int]] = OrderedDict()
         self._evict_mu = threading.Lock()
+        self._free_seen = (-FREE_RECHECK - 1.0, 0, 0)  # (monotonic, free bytes, used then)
         self._evictions = self._evicted_bytes = self._corrupt = 0
         self._closed = False
 
@@ -565,13 +569,21 @@ class Cache:
     # -- eviction ---------------------------------------------------------------------
 
     def _deficit(self) -> int:
-        """Bytes to free: over capacity, or under the free-space floor."""
+        """Bytes to free: over capacity, or under the free-space floor. The free
+        space is measured at most every FREE_RECHECK seconds (it is asked on every
+        growing write) and estimated in between from our own growth."""
         with self._lock:
-            over = self._used - self.capacity
+            used = self._used
+        over = used - self.capacity
         if not self.min_free:
             return over
-        st = os.statvfs(self.root)
-        return max(over, self.min_free - st.f_bavail * st.f_frsize)
+        now = time.monotonic()
+        checked, free, used_then = self._free_seen
+        if now - checked > FREE_RECHECK or used - used_then > FREE_RECHECK_BYTES:
+            st = os.statvfs(self.root)
+            free, used_then = st.f_bavail * st.f_frsize, used
+            self._free_seen = (now, free, used_then)
+        return max(over, self.min_free - (free - max(0, used - used_then)))
 
     def _make_room(self, current: Entry | None) -> None:
         """Evict until within bounds: whole unopened objects in policy order, then
