@@ -552,8 +552,17 @@ class TierFS(pyfuse3.Operations):
         self._logged[kind] = (now, 0)
 
     def invalidate(self, inode: int) -> None:
-        """Called by the namespace when an object's ETag changed: drop kernel pages."""
+        """Called by the namespace when an object's ETag changed: drop kernel pages.
+        The next open gets no keep_cache; pages of opens already made with it are
+        dropped now, from a worker thread (the kernel may need this loop meanwhile)."""
         self._kernel_generation.pop(inode, None)
+        self.reader.nursery.start_soon(self._drop_kernel_pages, inode)
+
+    async def _drop_kernel_pages(self, inode: int) -> None:
+        try:
+            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, inode, False)
+        except OSError as exc:  # ENOENT: the kernel holds no such inode (nothing cached)
+            log.debug("invalidate_inode(%d): %s", inode, exc)
 
     def _new_fh(self) -> int:
         fh = self._next_fh

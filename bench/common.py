@@ -1,0 +1,249 @@
+"""Shared bench harness: a private SeaweedFS, seeded objects, tierfs mounts, references.
+
+Every benchmark starts its own SeaweedFS (tests.support.seaweed), seeds its
+data, measures tierfs and the references in the same run, and writes JSON to
+bench/results/. Run as root (drop_caches, /sys/class/bdi).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.support.mount import TierfsMount, is_mounted  # noqa: E402
+from tests.support.seaweed import SeaweedServer  # noqa: E402
+
+MiB = 1 << 20
+GiB = 1 << 30
+RESULTS = ROOT / "bench" / "results"
+BUCKET = "bench"
+
+
+def parse_args(desc: str, size: int, runs: int, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=desc)
+    p.add_argument("--size", type=lambda s: int(float(s.rstrip("MmGg")) * (GiB if s[-1] in "Gg" else MiB)),
+                   default=size, help="object size, e.g. 2G or 512M")
+    p.add_argument("--runs", type=int, default=runs, help="runs per measurement (median reported)")
+    p.add_argument("--workdir", default=None, help="scratch dir (default: a new temp dir)")
+    p.add_argument("--peers", action="store_true", help="also measure rclone/juicefs/s3fs if installed")
+    p.add_argument("--profile", action="store_true", help="py-spy record the daemon during cold reads")
+    if extra:
+        extra(p)
+    return p.parse_args()
+
+
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def mbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e6 if seconds > 0 else float("nan")
+
+
+def write_random_file(path: Path, size: int, seed: int = 0) -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            n = min(left, 64 * MiB)
+            f.write(rng.integers(0, 256, n, dtype=np.uint8).tobytes())
+            left -= n
+
+
+def read_seq(path: Path | str, bs: int = MiB) -> tuple[float, int]:
+    """dd bs=1M-style: (seconds, bytes)."""
+    buf = bytearray(bs)
+    mv = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY)
+    total = 0
+    try:
+        t = time.perf_counter()
+        while n := os.readv(fd, [mv]):
+            total += n
+        return time.perf_counter() - t, total
+    finally:
+        os.close(fd)
+
+
+class Bench:
+    """One SeaweedFS, one bucket, scratch space, and the mounts made in it."""
+
+    def __init__(self, args: argparse.Namespace, name: str) -> None:
+        self.args = args
+        self.name = name
+        self.work = Path(args.workdir or tempfile.mkdtemp(prefix=f"tierfs-bench-{name}-"))
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.server = SeaweedServer(data_dir=self.work / "seaweed")
+        self.mounts: list[TierfsMount] = []
+        self.result: dict[str, Any] = {"bench": name, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                       "runs": args.runs, "size": args.size}
+        self._n = 0
+
+    def __enter__(self) -> Bench:
+        self.server.start()
+        self.client = self.server.client()
+        self.client.create_bucket(Bucket=BUCKET)
+        self.env = {**os.environ, **self.server.env()}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for m in self.mounts:
+            with contextlib.suppress(Exception):
+                m.cleanup()
+        self.server.stop()
+        if not self.args.workdir:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    def seed(self, key: str, local: Path) -> None:
+        from boto3.s3.transfer import TransferConfig
+
+        self.client.upload_file(str(local), BUCKET, key,
+                                Config=TransferConfig(multipart_chunksize=64 * MiB, max_concurrency=8))
+
+    def mount(self, cache_dir: Path | None = None, *extra: str) -> TierfsMount:
+        self._n += 1
+        m = TierfsMount(source=f"s3://{BUCKET}", mountpoint=self.work / f"mnt{self._n}",
+                        cache_dir=cache_dir or self.work / f"cache{self._n}", env=self.env,
+                        extra=list(extra))
+        self.mounts.append(m)
+        return m.start()
+
+    def unmount(self, m: TierfsMount, wipe: bool = True) -> None:
+        m.umount()
+        if is_mounted(m.mountpoint):
+            m.cleanup()
+        if wipe:
+            shutil.rmtree(m.cache_dir, ignore_errors=True)
+
+    # -- references -------------------------------------------------------------
+
+    def boto_one_stream(self, key: str) -> tuple[float, int]:
+        t = time.perf_counter()
+        body = self.client.get_object(Bucket=BUCKET, Key=key)["Body"]
+        buf = bytearray(MiB)
+        mv = memoryview(buf)
+        total = 0
+        while n := body.readinto(mv):
+            total += n
+        return time.perf_counter() - t, total
+
+    def boto_parallel(self, key: str, size: int, parts: int = 8, part: int = 8 * MiB) -> tuple[float, int]:
+        """`parts` threads of ranged GETs of `part` bytes, each into its own reused buffer."""
+        offsets = list(range(0, size, part))
+        local = threading.local()
+
+        def get(off: int) -> int:
+            if not hasattr(local, "buf"):
+                local.buf = memoryview(bytearray(part))
+            n = min(part, size - off)
+            body = self.client.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={off}-{off + n - 1}")["Body"]
+            got = 0
+            while got < n and (k := body.readinto(local.buf[got:n])):
+                got += k
+            return got
+
+        t = time.perf_counter()
+        with ThreadPoolExecutor(parts) as ex:
+            total = sum(ex.map(get, offsets))
+        return time.perf_counter() - t, total
+
+    @contextlib.contextmanager
+    def passthrough(self, src: Path) -> Iterator[Path]:
+        mp = self.work / "passthrough"
+        mp.mkdir(exist_ok=True)
+        proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "passthrough.py"), str(src), str(mp)],
+                                stdin=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 20
+            while not is_mounted(mp):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("passthrough did not mount")
+                time.sleep(0.05)
+            yield mp
+        finally:
+            subprocess.run(["fusermount3", "-u", str(mp)], capture_output=True, check=False)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def store_get_bytes(self, m: TierfsMount) -> float:
+        return m.metric("tierfs_store_bytes_total{op=get}")
+
+    def save(self) -> Path:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        self.result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        path = RESULTS / f"{self.name}.json"
+        path.write_text(json.dumps(self.result, indent=2, sort_keys=True) + "\n")
+        print(f"results: {path}")
+        return path
+
+
+@contextlib.contextmanager
+def py_spy(pid: int, out: Path, enabled: bool) -> Iterator[None]:
+    if not enabled:
+        yield
+        return
+    exe = Path(sys.executable).parent / "py-spy"
+    proc = subprocess.Popen([str(exe), "record", "-p", str(pid), "-o", str(out), "-f", "speedscope",
+                             "--threads", "--nonblocking", "-r", "100"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        import signal
+
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+
+
+def report(rows: list[tuple[str, str]]) -> None:
+    w = max(len(a) for a, _ in rows)
+    for a, b in rows:
+        print(f"  {a.ljust(w)}  {b}")
+
+
+def prefault(nbytes: int) -> None:
+    """Touch and free `nbytes` of anonymous memory right before a timed run.
+
+    This VM hands freed guest pages back to the host (virtio-balloon free page
+    reporting); the first touch of such a page costs ~2 ms/MiB (dd to the page
+    cache: ~500 MB/s on fresh pages vs ~5 GB/s on recycled ones). Recently freed
+    pages are reused first, so each measurement starts with the same supply of
+    backed pages instead of whatever the previous step left behind.
+    """
+    import mmap
+
+    step = 64 * MiB
+    maps = []
+    for _ in range(max(1, nbytes // step)):
+        m = mmap.mmap(-1, step, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        m.write(b"\1" * step)
+        maps.append(m)
+    for m in maps:
+        m.close()

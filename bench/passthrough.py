@@ -1,0 +1,94 @@
+"""Minimal read-only pyfuse3 passthrough of a local directory: the warm reference.
+
+Usage: passthrough.py SRC MOUNTPOINT   (unmount with fusermount3 -u)
+Same kernel settings as tierfs (1 MiB reads via bdi read_ahead_kb, keep_cache),
+reads served with os.pread on the trio loop: the ceiling of a Python FUSE daemon.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sys
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+
+class Passthrough(pyfuse3.Operations):
+    def __init__(self, src: str) -> None:
+        super().__init__()
+        self.paths = {pyfuse3.ROOT_INODE: src}
+        self.fds: dict[int, int] = {}
+
+    def _attr(self, path: str) -> pyfuse3.EntryAttributes:
+        st = os.lstat(path)
+        a = pyfuse3.EntryAttributes()
+        for name in ("st_mode", "st_nlink", "st_uid", "st_gid", "st_size", "st_atime_ns",
+                     "st_mtime_ns", "st_ctime_ns"):
+            setattr(a, name, getattr(st, name))
+        a.st_ino = st.st_ino
+        self.paths[st.st_ino] = path
+        a.st_blksize, a.st_blocks = 1 << 20, st.st_blocks
+        a.attr_timeout = a.entry_timeout = 300
+        return a
+
+    async def lookup(self, parent, name, ctx):
+        try:
+            return self._attr(os.path.join(self.paths[parent], os.fsdecode(name)))
+        except OSError as exc:
+            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+
+    async def getattr(self, inode, ctx):
+        a = self._attr(self.paths[inode])
+        if inode == pyfuse3.ROOT_INODE:
+            a.st_ino = inode
+        return a
+
+    async def opendir(self, inode, ctx):
+        return inode
+
+    async def readdir(self, fh, start_id, token):
+        names = sorted(os.listdir(self.paths[fh]))
+        for i, name in enumerate(names[start_id:], start_id):
+            attr = self._attr(os.path.join(self.paths[fh], name))
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), attr, i + 1):
+                break
+
+    async def open(self, inode, flags, ctx):
+        fd = os.open(self.paths[inode], os.O_RDONLY)
+        self.fds[fd] = inode
+        return pyfuse3.FileInfo(fh=fd, keep_cache=True)
+
+    async def read(self, fh, off, size):
+        return os.pread(fh, size, off)
+
+    async def release(self, fh):
+        self.fds.pop(fh, None)
+        os.close(fh)
+
+
+def main() -> None:
+    src, mp = sys.argv[1], sys.argv[2]
+    pyfuse3.init(Passthrough(os.path.abspath(src)), mp, {"ro", "fsname=passthrough", "default_permissions"})
+
+    def readahead() -> None:
+        dev = os.stat(mp).st_dev  # answered by the loop below
+        with contextlib.suppress(OSError):
+            Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").write_text("1024")
+
+    async def run() -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(pyfuse3.main)
+            await trio.to_thread.run_sync(readahead)
+
+    try:
+        trio.run(run)
+    finally:
+        pyfuse3.close(unmount=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Sequential read of one big object (dd bs=1M style): cold, warm, hot vs references.
+
+  cold: empty tier 1, page cache dropped      vs raw boto3 (1 stream, 8 parallel ranged GETs)
+  warm: tier 1 kept, page cache dropped       vs a pyfuse3 passthrough of a local dir (same state)
+  hot:  page cache kept (keep_cache)          vs the local file from the page cache
+
+Usage: python bench/seqread.py [--size 2G] [--runs 3] [--profile]
+"""
+
+from __future__ import annotations
+
+import os
+
+from common import (
+    Bench,
+    MiB,
+    drop_caches,
+    mbps,
+    median,
+    parse_args,
+    py_spy,
+    read_seq,
+    report,
+    write_random_file,
+)
+
+KEY = "seq/shard-000.tar"  # dataset class: keep_cache, 256 MiB readahead, no whole-object prefetch
+
+
+def kernel_read_size(b: Bench, m, nbytes: int) -> float:
+    count = m.metric("tierfs_read_latency_seconds_count")
+    return nbytes / count if count else 0.0
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], 2 << 30, 3)
+    with Bench(args, "seqread") as b:
+        local = b.work / "local" / "shard-000.tar"
+        local.parent.mkdir()
+        write_random_file(local, args.size)
+        b.seed(KEY, local)
+        size = args.size
+        t: dict[str, list[float]] = {k: [] for k in (
+            "local_cold", "local_hot", "boto3_1", "boto3_8", "tierfs_cold", "tierfs_warm",
+            "tierfs_hot", "passthrough_warm", "passthrough_hot")}
+        store_bytes: list[float] = []
+        req_sizes: list[float] = []
+        for run in range(args.runs):
+            drop_caches()
+            t["local_cold"].append(read_seq(local)[0])
+            t["local_hot"].append(read_seq(local)[0])
+            t["boto3_1"].append(b.boto_one_stream(KEY)[0])
+            t["boto3_8"].append(b.boto_parallel(KEY, size)[0])
+            m = b.mount()
+            path = m.mountpoint / KEY
+            drop_caches()
+            with py_spy(m.pid, b.work.parent / f"seqread-cold-{os.getpid()}-{run}.speedscope.json",
+                        args.profile and run == 0):
+                secs, n = read_seq(path)
+            assert n == size, (n, size)
+            t["tierfs_cold"].append(secs)
+            store_bytes.append(b.store_get_bytes(m))
+            req_sizes.append(kernel_read_size(b, m, size))
+            drop_caches()
+            t["tierfs_warm"].append(read_seq(path)[0])
+            t["tierfs_hot"].append(read_seq(path)[0])
+            b.unmount(m)
+            with b.passthrough(local.parent) as pt:
+                drop_caches()
+                t["passthrough_warm"].append(read_seq(pt / local.name)[0])
+                t["passthrough_hot"].append(read_seq(pt / local.name)[0])
+            print(f"run {run}: " + ", ".join(f"{k}={mbps(size, v[-1]):.0f}" for k, v in t.items()) + " MB/s")
+        med = {k: mbps(size, median(v)) for k, v in t.items()}
+        ratios = {
+            "cold_vs_boto3_8": med["tierfs_cold"] / med["boto3_8"],
+            "cold_vs_boto3_1": med["tierfs_cold"] / med["boto3_1"],
+            "warm_vs_passthrough": med["tierfs_warm"] / med["passthrough_warm"],
+            "hot_vs_local_page_cache": med["tierfs_hot"] / med["local_hot"],
+            "store_bytes_vs_size": median(store_bytes) / size,
+        }
+        b.result.update(mb_per_s_median=med, seconds=t, ratios=ratios,
+                        store_get_bytes=store_bytes, avg_fuse_read_bytes=median(req_sizes))
+        print(f"seqread {size / MiB:.0f} MiB, median of {args.runs} runs (MB/s):")
+        report([(k, f"{v:8.0f}") for k, v in med.items()])
+        print("ratios (targets: cold>=0.9 x boto3, warm>=0.9 x passthrough, hot>=0.8 x local):")
+        report([(k, f"{v:6.2f}") for k, v in ratios.items()])
+        print(f"  avg FUSE read request: {median(req_sizes) / 1024:.0f} KiB")
+        b.save()
+
+
+if __name__ == "__main__":
+    main()

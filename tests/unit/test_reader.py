@@ -1,0 +1,221 @@
+"""Read path without FUSE: stream detection, claims, single-flight, page-sized fetches."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from tierfs.cache import Cache
+from tierfs.reader import SMALL_READ, STREAM_SLACK, Reader, ReadState
+from tierfs.workers import Workers
+
+KiB, MiB = 1 << 10, 1 << 20
+CS = 64 * KiB  # chunk
+PART = 256 * KiB  # 4 chunks
+
+
+# -- ReadState -----------------------------------------------------------------
+
+
+def test_sequential_window_grows_geometrically_to_the_max() -> None:
+    st = ReadState()
+    windows = [st.advance(i * MiB, (i + 1) * MiB, MiB, 16 * MiB) for i in range(8)]
+    assert windows == [MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB, 16 * MiB, 16 * MiB, 16 * MiB]
+
+
+def test_random_reads_get_no_window_and_reset() -> None:
+    st = ReadState()
+    for i in range(4):
+        st.advance(i * MiB, (i + 1) * MiB, MiB, 64 * MiB)
+    assert st.advance(500 * MiB, 500 * MiB + 4 * KiB, MiB, 64 * MiB) == 0
+    assert st.advance(20 * MiB, 20 * MiB + 4 * KiB, MiB, 64 * MiB) == 0  # a jump: new stream
+    # A small first read at offset 0 (a header) is not a sequential pass yet.
+    assert ReadState().advance(0, 4 * KiB, MiB, 64 * MiB) == 0
+    assert ReadState().advance(0, SMALL_READ + 1, MiB, 64 * MiB) == MiB
+
+
+def test_random_read_near_a_young_stream_does_not_grow_it() -> None:
+    st = ReadState()
+    st.advance(10 * MiB, 10 * MiB + 4 * KiB, MiB, 64 * MiB)
+    # lands inside the slack after the stream's end, but the stream never continued
+    assert st.advance(10 * MiB + 64 * KiB, 10 * MiB + 68 * KiB, MiB, 64 * MiB) == 0
+    assert st.advance(10 * MiB + STREAM_SLACK // 2, 10 * MiB + STREAM_SLACK // 2 + 4096, MiB, 64 * MiB) == 0
+
+
+def test_established_stream_tolerates_out_of_order_requests() -> None:
+    st = ReadState()
+    for i in range(4):
+        st.advance(i * MiB, (i + 1) * MiB, MiB, 64 * MiB)
+    # the kernel's async readahead delivers 5M before 4M
+    assert st.advance(5 * MiB, 6 * MiB, MiB, 64 * MiB) > 0
+    assert st.advance(4 * MiB, 5 * MiB, MiB, 64 * MiB) > 0
+
+
+def test_interleaved_streams_keep_their_own_windows() -> None:
+    st = ReadState()
+    a, b = 0, 1 << 30
+    wa = wb = 0
+    for i in range(5):
+        wa = st.advance(a + i * MiB, a + (i + 1) * MiB, MiB, 256 * MiB)
+        wb = st.advance(b + i * MiB, b + (i + 1) * MiB, MiB, 256 * MiB)
+    assert wa == 16 * MiB
+    assert wb == 8 * MiB  # stream b started at a non-zero offset: one step behind
+    assert len(st.streams) == 2
+
+
+# -- a Reader over a real cache and a counting fake store -------------------------
+
+
+class FakeStore:
+    def __init__(self, objects: dict[str, bytes], delay: float = 0.01) -> None:
+        self.objects = objects
+        self.delay = delay
+        self.gets: list[tuple[int, int]] = []
+        self._mu = threading.Lock()
+
+    @property
+    def bytes_fetched(self) -> int:
+        return sum(n for _, n in self.gets)
+
+    def get_range_into(self, key: str, start: int, length: int, buf: memoryview, etag: str | None = None) -> int:
+        time.sleep(self.delay)  # long enough for concurrent readers to pile up
+        data = self.objects[key][start : start + length]
+        buf[: len(data)] = data
+        with self._mu:
+            self.gets.append((start, len(data)))
+        return len(data)
+
+
+@pytest.fixture
+def cache(tmp_path: Path):
+    c = Cache(tmp_path / "c", capacity=1 << 30, chunk_size=CS, min_free=0)
+    c.bind("file:///src")
+    yield c
+    c.close()
+
+
+def make_reader(store: FakeStore, nursery: trio.Nursery) -> Reader:
+    return Reader(store, Workers(4, 1, 4), nursery, part_size=PART, readahead_min=CS)  # type: ignore[arg-type]
+
+
+async def test_claim_splits_into_parts_and_shares_flights(cache: Cache) -> None:
+    data = os.urandom(3 * PART + 100)
+    e = cache.open("k", "e", len(data), 1.0)
+    async with trio.open_nursery() as n:
+        r = make_reader(FakeStore({"k": data}), n)
+        first = r._claim(e, 0, len(data))
+        assert [(a, b, owner) for a, b, _, owner in first] == [
+            (0, PART, True), (PART, 2 * PART, True), (2 * PART, 3 * PART, True),
+            (3 * PART, len(data), True),
+        ]
+        again = r._claim(e, PART - CS, PART + CS)  # overlaps two owned flights
+        assert [owner for *_, owner in again] == [False, False]
+        assert again[0][2] is first[0][2] and again[1][2] is first[1][2]
+        n.cancel_scope.cancel()
+    cache.release(e)
+
+
+async def test_concurrent_readers_of_a_cold_range_cause_one_get_per_part(cache: Cache) -> None:
+    data = os.urandom(8 * PART)
+    store = FakeStore({"k": data})
+    e = cache.open("k", "e", len(data), 1.0)
+    async with trio.open_nursery() as n:
+        r = make_reader(store, n)
+        got: list[bytes] = []
+
+        async def one() -> None:
+            st = ReadState()
+            out = []
+            for off in range(0, len(data), 512 * KiB):  # big reads: no page path
+                out.append(await r.read(e, st, off, 512 * KiB, 4 * PART))
+            got.append(b"".join(out))
+
+        async with trio.open_nursery() as readers:
+            for _ in range(6):
+                readers.start_soon(one)
+        n.cancel_scope.cancel()
+    assert got == [data] * 6
+    assert store.bytes_fetched == len(data)  # single-flight: every byte fetched once
+    cache.release(e)
+
+
+async def test_small_random_read_fetches_only_its_pages(cache: Cache) -> None:
+    data = os.urandom(64 * CS)
+    store = FakeStore({"k": data}, delay=0)
+    e = cache.open("k", "e", len(data), 1.0)
+    async with trio.open_nursery() as n:
+        r = make_reader(store, n)
+        st = ReadState()
+        offs = [7 * CS + 3 * 4096, 40 * CS + 100, 63 * CS + CS - 4096]
+        for off in offs:
+            assert await r.read(e, st, off, 4096, 64 * MiB) == data[off : off + 4096]
+        # 4096 at an unaligned offset spans two pages
+        assert store.bytes_fetched == 4 * 4096
+        before = len(store.gets)
+        for off in offs:  # served from tier 1 now
+            assert await r.read(e, ReadState(), off, 4096, 64 * MiB) == data[off : off + 4096]
+        assert len(store.gets) == before
+        # A whole-chunk fetch later supersedes the pages and reads stay right.
+        await r.ensure(e, 0, len(data), whole_parts=True)
+        assert e.read(0, len(data)) == data
+        n.cancel_scope.cancel()
+    cache.release(e)
+
+
+async def test_pages_survive_close_and_reopen(cache: Cache) -> None:
+    data = os.urandom(16 * CS)
+    store = FakeStore({"k": data}, delay=0)
+    e = cache.open("k", "e", len(data), 1.0)
+    async with trio.open_nursery() as n:
+        r = make_reader(store, n)
+        assert await r.read(e, ReadState(), 5 * CS, 4096, MiB) == data[5 * CS : 5 * CS + 4096]
+        cache.release(e)
+        e = cache.open("k", "e", len(data), 1.0)
+        assert e.missing_pages(5 * CS, 5 * CS + 4096) == []
+        assert await r.read(e, ReadState(), 5 * CS, 4096, MiB) == data[5 * CS : 5 * CS + 4096]
+        assert len(store.gets) == 1
+        n.cancel_scope.cancel()
+    cache.release(e)
+
+
+async def test_readahead_never_refetches_present_chunks(cache: Cache) -> None:
+    data = os.urandom(4 * PART)
+    store = FakeStore({"k": data}, delay=0)
+    e = cache.open("k", "e", len(data), 1.0)
+    e.store(CS, data[CS : 3 * CS])  # chunks 1-2 of the first part already cached
+    async with trio.open_nursery() as n:
+        r = make_reader(store, n)
+        await r.ensure(e, 0, len(data), whole_parts=True)
+        n.cancel_scope.cancel()
+    assert e.read(0, len(data)) == data
+    assert store.bytes_fetched == len(data) - 2 * CS
+    cache.release(e)
+
+
+async def test_prefetch_object_fills_tier1_and_releases(cache: Cache) -> None:
+    data = os.urandom(10 * PART + 5)
+    store = FakeStore({"k": data}, delay=0.001)
+    e = cache.open("k", "e", len(data), 1.0)
+    released = trio.Event()
+
+    async def done() -> None:
+        released.set()
+
+    async with trio.open_nursery() as n:
+        r = make_reader(store, n)
+        r.prefetch_object(e, done)
+        assert r.prefetching(e)
+        # a read elsewhere is answered while the prefetch runs
+        assert await r.read(e, ReadState(), 9 * PART, 100, MiB) == data[9 * PART : 9 * PART + 100]
+        with trio.fail_after(10):
+            await released.wait()
+        assert not r.prefetching(e)
+        n.cancel_scope.cancel()
+    assert e.missing(0, len(data)) == []
+    assert store.bytes_fetched <= len(data) + 4096
+    cache.release(e)
