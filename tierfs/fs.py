@@ -102,7 +102,6 @@ class TierFS(pyfuse3.Operations):
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
         self._dirs: dict[int, list[tuple[str, Node]]] = {}
-        self._kernel_generation: dict[int, int] = {}
         self.uid, self.gid = os.getuid(), os.getgid()
         self._logged: dict[str, tuple[float, int]] = {}
 
@@ -184,8 +183,9 @@ class TierFS(pyfuse3.Operations):
             await self.wb.prepare_write(node.path)
         if flags & os.O_TRUNC and entry.size:
             await self._truncate(h, 0)
-        keep = node.settings.keep_cache and self._kernel_generation.get(inode) == node.generation
-        self._kernel_generation[inode] = node.generation
+        # A changed object comes back as a new inode (namespace._apply_info), so
+        # pages kept for an inode always belong to the version it names.
+        keep = node.settings.keep_cache
         if not writing and self._wants_prefetch(node) and not self.reader.prefetching(entry):
             await self._prefetch_object(node, entry)
         self.metrics.meta_op("open")
@@ -259,7 +259,6 @@ class TierFS(pyfuse3.Operations):
         self.wb.note_dirty(path, 0)
         fh = self._new_fh()
         self._handles[fh] = Handle(node, entry, dirty=True, writable=True)
-        self._kernel_generation[node.inode] = node.generation
         self.metrics.meta_op("create")
         return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False), self.attrs(node)
 
@@ -552,10 +551,9 @@ class TierFS(pyfuse3.Operations):
         self._logged[kind] = (now, 0)
 
     def invalidate(self, inode: int) -> None:
-        """Called by the namespace when an object's ETag changed: drop kernel pages.
-        The next open gets no keep_cache; pages of opens already made with it are
-        dropped now, from a worker thread (the kernel may need this loop meanwhile)."""
-        self._kernel_generation.pop(inode, None)
+        """Called by the namespace when an object's ETag changed: drop the kernel's
+        pages of the old inode, from a worker thread (the kernel may need this loop
+        meanwhile)."""
         self.reader.nursery.start_soon(self._drop_kernel_pages, inode)
 
     async def _drop_kernel_pages(self, inode: int) -> None:

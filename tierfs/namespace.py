@@ -53,7 +53,6 @@ class Node:
     children_expire: float = -math.inf
     lookups: int = 0  # kernel references (lookup counts minus forgets)
     validated_at: float = -math.inf  # monotonic time of the last HEAD
-    generation: int = 0  # bumped when the object behind the node changes
 
     @property
     def key(self) -> str:
@@ -93,6 +92,7 @@ def valid_name(name: str) -> bool:
     return (
         bool(name)
         and name not in (".", "..")
+        and "/" not in name
         and "\0" not in name
         and len(name.encode("utf-8", "surrogateescape")) <= NAME_MAX
     )
@@ -149,14 +149,22 @@ class Namespace:
         self._by_path[path] = node.inode
         return node
 
-    def _apply_info(self, node: Node, info: ObjectInfo, now: float) -> None:
-        """Record an object's attributes; tell the kernel layer when the bytes changed."""
-        changed = bool(node.etag) and node.etag != info.etag
+    def _apply_info(self, node: Node, info: ObjectInfo, now: float) -> Node:
+        """Record an object's attributes. An object replaced in the store by someone
+        else gets a new inode, like a file replaced by rename on a local disk: with
+        the kernel's write-back cache on, the kernel trusts its own cached size of
+        an inode over ours, so the old inode could never show the new size. Handles
+        open on the old inode keep reading the old version; its pages are dropped."""
+        if node.etag and node.etag != info.etag:
+            self.on_changed(node.inode)
+            old = node
+            node = Node(self._next_inode, old.path, False, old.settings, validated_at=old.validated_at)
+            self._next_inode += 1
+            self._nodes[node.inode] = node
+            self._by_path[node.path] = node.inode
         node.size, node.mtime, node.etag = info.size, info.mtime, info.etag
         node.attr_expire = now + node.settings.attr_ttl
-        if changed:
-            node.generation += 1
-            self.on_changed(node.inode)
+        return node
 
     def _apply_local(self, node: Node, lf: Any) -> None:
         node.size, node.mtime, node.etag = lf.size, lf.mtime, ""
@@ -267,7 +275,7 @@ class Namespace:
                 self._log_odd(info.key, "both an object and a prefix; the directory wins")
                 continue
             child = self._node_for(info.key, False)
-            self._apply_info(child, info, now)
+            child = self._apply_info(child, info, now)
             children[name] = child.inode
         files, dirs = self.overlay.local_children(node.key)
         for name in dirs:
@@ -342,7 +350,7 @@ class Namespace:
                 # A new or changed manifest vouches for files in its directory
                 # subtree: listings cached from before it may not show them yet.
                 self._expire_listings(parent.path)
-            self._apply_info(node, info, time.monotonic())
+            node = self._apply_info(node, info, time.monotonic())
             node.validated_at = time.monotonic()
         else:
             # Not an object; perhaps a prefix. A listing of the parent decides.
@@ -384,8 +392,8 @@ class Namespace:
             raise
         if info is None:
             raise OSError(errno.ENOENT, "object no longer exists")
-        self._apply_info(node, info, time.monotonic())
-        node.validated_at = time.monotonic()
+        current = self._apply_info(node, info, time.monotonic())
+        node.validated_at = current.validated_at = time.monotonic()
 
     async def readdir(self, inode: int) -> list[tuple[str, Node]]:
         node = self.get(inode)
