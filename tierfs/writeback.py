@@ -118,7 +118,10 @@ class WriteBack:
             os.link(entry.path, dest)
             info = {"key": key, "size": entry.size, "file": name, "when": stamp,
                     "reason": "written but never closed before the daemon stopped"}
-            (self.quarantine_dir / f"{name}.json").write_text(json.dumps(info))
+            fd = os.open(self.quarantine_dir / f"{name}.json",
+                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with open(fd, "w") as f:  # private like the cache files (the daemon's umask may be 022)
+                f.write(json.dumps(info))
         finally:
             self.cache.release(entry)
         self.cache.remove(key)

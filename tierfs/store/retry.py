@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,17 @@ log = logging.getLogger("tierfs.store")
 
 BASE_DELAY = 0.05  # first backoff ceiling, seconds
 MAX_DELAY = 5.0  # backoff ceiling never grows past this
+
+# The deadline of the operation running on this thread, for adapters that can
+# cut one attempt short (the S3 adapter turns it into a per-request read timeout).
+_current = threading.local()
+
+
+def time_left() -> float | None:
+    """Seconds left before the deadline of the store operation running on this
+    thread; None outside one."""
+    end = getattr(_current, "end", None)
+    return None if end is None else end - time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,23 @@ def call_with_retries(
     """
     start = time.monotonic()
     end = start + deadline
+    outer = getattr(_current, "end", None)
+    _current.end = end if outer is None else min(end, outer)
+    try:
+        return _retry_loop(op, what, attempt, start, end, classify, observer)
+    finally:
+        _current.end = outer
+
+
+def _retry_loop(
+    op: str,
+    what: str,
+    attempt: Callable[[], tuple[T, int]],
+    start: float,
+    end: float,
+    classify: Callable[[Exception], Failure | None],
+    observer: RequestObserver | None,
+) -> T:
     tries = 0
     while True:
         tries += 1
@@ -63,7 +92,8 @@ def call_with_retries(
             if failure is None:
                 raise
             now = time.monotonic()
-            # The last sleep is cut short so that one attempt lands at the deadline.
+            # The last sleep is cut short so that one attempt lands at the deadline
+            # (an adapter cuts that attempt's reads to the time left: time_left()).
             delay = min(
                 random.uniform(0.0, min(MAX_DELAY, BASE_DELAY * 2 ** (tries - 1))), end - now
             )

@@ -48,7 +48,7 @@ from botocore.exceptions import (
 )
 
 from tierfs.store.base import Listing, ObjectInfo, RequestObserver, StoreError
-from tierfs.store.retry import Failure, call_with_retries
+from tierfs.store.retry import Failure, call_with_retries, time_left
 
 log = logging.getLogger("tierfs.store")
 
@@ -119,6 +119,16 @@ def _connect_reason(exc: Exception) -> str:
     return "connection failed"
 
 
+def _cap_read_timeout(read_timeout: float, context: dict[str, Any], **_: Any) -> None:
+    """botocore before-call hook: a request sent by an operation with a deadline
+    (retry.call_with_retries) waits at most the time left to that deadline for
+    each read, so a stalled store (accepted connection, no answer) fails the
+    operation at its deadline instead of one read_timeout after it."""
+    left = time_left()
+    if left is not None:
+        context["read_timeout"] = max(0.05, min(read_timeout, left))
+
+
 class S3Store:
     """`Store` over one bucket and key prefix of an S3-compatible service."""
 
@@ -168,8 +178,10 @@ class S3Store:
             s3={"addressing_style": "path"},
             retries={"total_max_attempts": 1, "mode": "standard"},  # ours: retry.py
             max_pool_connections=self.max_parallel * 2 + 8,
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
+            # Neither timeout may outlast the operation's deadline; the read timeout
+            # is further cut per request to the time left (_cap_read_timeout).
+            connect_timeout=min(connect_timeout, self.deadline),
+            read_timeout=min(read_timeout, self.deadline),
             tcp_keepalive=True,
             # Checksums only where the API demands them: S3-compatible servers
             # differ in their support for the newer default trailing checksums.
@@ -177,7 +189,9 @@ class S3Store:
             response_checksum_validation="when_required",
         )
         with self._session_lock:
-            return self._session.client("s3", endpoint_url=self._endpoint_arg, config=config)
+            client = self._session.client("s3", endpoint_url=self._endpoint_arg, config=config)
+        client.meta.events.register("before-call.s3", partial(_cap_read_timeout, read_timeout))
+        return client
 
     # -- plumbing ---------------------------------------------------------------
 
