@@ -242,20 +242,8 @@ class Reader:
         return flight
 
     async def _fetch_pages(self, entry: Entry, p0: int, p1: int, flight: _Flight) -> None:
-        a, b = p0 * PAGE, min(p1 * PAGE, entry.size)
-        try:
-            await self.workers.data(self._get_and_store_pages, entry, a, b)
-        except Exception as exc:
-            flight.error = _as_oserror(exc)
-        except BaseException:
-            flight.error = OSError(errno.EIO, "fetch cancelled: daemon stopping")
-            raise
-        finally:
-            ident = id(entry)
-            for p in range(p0, p1):
-                if self._page_flights.get((ident, p)) is flight:
-                    del self._page_flights[(ident, p)]
-            flight.done.set()
+        await self._fly(self._get_and_store_pages, entry, p0 * PAGE, min(p1 * PAGE, entry.size),
+                        flight, self._page_flights, PAGE)
 
     def _get_and_store_pages(self, entry: Entry, a: int, b: int) -> None:
         buf = memoryview(bytearray(b - a))
@@ -377,19 +365,32 @@ class Reader:
         return out
 
     async def _fetch(self, entry: Entry, a: int, b: int, flight: _Flight) -> None:
+        await self._fly(self._get_and_store, entry, a, b, flight, self._flights, entry.chunk_size)
+
+    async def _fly(
+        self,
+        fetch: Callable[[Entry, int, int], None],
+        entry: Entry,
+        a: int,
+        b: int,
+        flight: _Flight,
+        table: dict[tuple[int, int], _Flight],
+        unit: int,
+    ) -> None:
+        """Run one fetch in a worker; waiters learn its outcome; its claims on
+        `table` (units of `unit` bytes) are released whatever happens."""
         try:
-            await self.workers.data(self._get_and_store, entry, a, b)
+            await self.workers.data(fetch, entry, a, b)
         except Exception as exc:
             flight.error = _as_oserror(exc)
         except BaseException:
             flight.error = OSError(errno.EIO, "fetch cancelled: daemon stopping")
             raise
         finally:
-            cs = entry.chunk_size
             ident = id(entry)
-            for c in range(a // cs, -(-b // cs)):
-                if self._flights.get((ident, c)) is flight:
-                    del self._flights[(ident, c)]
+            for u in range(a // unit, -(-b // unit)):
+                if table.get((ident, u)) is flight:
+                    del table[(ident, u)]
             flight.done.set()
 
     def _get_and_store(self, entry: Entry, a: int, b: int) -> None:
