@@ -273,6 +273,7 @@ class Daemon:
                 observe=self.metrics.writeback_event,
             )
             ns.overlay = wb
+            ns.on_store_back = wb.store_back
             self.namespace = ns
             nursery.start_soon(ns.watch_store)
             await wb.recover()

@@ -108,6 +108,7 @@ class Namespace:
         *,
         on_changed: Callable[[int], None] = lambda inode: None,
         degraded: bool = False,
+        on_store_back: Callable[[], None] = lambda: None,
     ) -> None:
         self.store = store
         self.cache = cache
@@ -115,6 +116,7 @@ class Namespace:
         self.workers = workers
         self.on_changed = on_changed
         self.degraded = degraded
+        self.on_store_back = on_store_back
         self.overlay: LocalOverlay = _NoOverlay()
         self._nodes: dict[int, Node] = {}
         self._by_path: dict[str, int] = {}
@@ -224,6 +226,7 @@ class Namespace:
             self.degraded = False
             for node in self._nodes.values():
                 node.children_expire = -math.inf
+            self.on_store_back()
 
     def _listing_from_index(self, prefix: str) -> Listing:
         files: list[ObjectInfo] = []

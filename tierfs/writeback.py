@@ -89,6 +89,7 @@ class WriteBack:
         self.quarantined: list[dict[str, object]] = []
         self._send, self._recv = trio.open_memory_channel[str](math.inf)
         self._max_uploads = max_uploads
+        self._store_back = trio.Event()
 
     # -- recovery and the uploader ---------------------------------------------
 
@@ -158,7 +159,8 @@ class WriteBack:
                 delay = min(RETRY_CAP, 0.5 * 2 ** min(attempt, 6)) * (0.5 + random.random() / 2)
                 log.warning("upload of %r failed (%s); retrying in %.1fs", key, exc, delay)
                 self.observe("upload_retry", 1)
-                await trio.sleep(delay)
+                with trio.move_on_after(delay):
+                    await self._store_back.wait()  # or sooner, once the store answers again
 
     async def _upload_once(self, key: str, lf: LocalFile, *, closing: bool = False) -> ObjectInfo:
         """One upload attempt. `closing`: called by the writer's own close (write-through)."""
@@ -222,6 +224,11 @@ class WriteBack:
             self.cache.release(entry)
 
     # -- what fs.py calls ------------------------------------------------------
+
+    def store_back(self) -> None:
+        """The store answers again after an outage: retry waiting uploads now."""
+        self._store_back.set()
+        self._store_back = trio.Event()
 
     def note_dirty(self, key: str, size: int) -> LocalFile:
         """A file is being written: it now exists only here until uploaded."""
