@@ -38,3 +38,13 @@ def mount_factory(
     yield make
     for m in made:
         m.cleanup()
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[SeaweedServer]:
+    """A private SeaweedFS for a test that stops the store mid-test."""
+    srv = SeaweedServer(data_dir=tmp_path / "seaweed").start()
+    try:
+        yield srv
+    finally:
+        srv.stop()

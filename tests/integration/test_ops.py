@@ -255,15 +255,6 @@ def test_metrics_move_during_a_read_and_status_agrees(
 # -- warmup, then the store goes away ----------------------------------------------------
 
 
-@pytest.fixture
-def own_server(tmp_path: Path) -> Iterator[SeaweedServer]:
-    srv = SeaweedServer(data_dir=tmp_path / "seaweed").start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
 @pytest.mark.timeout(240)
 def test_warmup_then_read_with_the_store_down(own_server: SeaweedServer, tmp_path: Path) -> None:
     size = 256 * MiB

@@ -10,7 +10,6 @@ import hashlib
 import mmap
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,15 +19,6 @@ from tests.support.seaweed import SeaweedServer
 
 MiB = 1 << 20
 SIZE = 1024 * MiB
-
-
-@pytest.fixture
-def own_server(tmp_path: Path) -> Iterator[SeaweedServer]:
-    srv = SeaweedServer(data_dir=tmp_path / "seaweed").start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 def dd_sha(path: Path) -> str:
