@@ -11,7 +11,6 @@ import shutil
 import socket
 import stat
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -22,7 +21,7 @@ import pytest
 import trio
 
 from tests.integration.conftest import MountFactory
-from tests.support.mount import TierfsMount, run_tierfs
+from tests.support.mount import TierfsMount, kill_daemon_with_open_writer, run_tierfs
 from tests.support.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedServer
 from tierfs.cache import Cache
 from tierfs.config import DEFAULT_CLASSES, DEFAULT_RULES
@@ -74,16 +73,7 @@ def test_cache_modes_socket_and_hashed_names(
     (mp / "ck").mkdir()
     (mp / "ck/model.pt").write_bytes(os.urandom(3 * MiB))
     # a writer killed before close leaves a quarantined file: it is private too
-    writer = subprocess.Popen(
-        [sys.executable, "-c", "import sys,time; f=open(sys.argv[1],'wb'); f.write(b'x'*4096); "
-         "f.flush(); print('ok', flush=True); time.sleep(600)", str(mp / "ck/half.pt")],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert writer.stdout is not None and writer.stdout.readline().strip() == "ok"
-        m.kill9()
-    finally:
-        writer.kill()
-        writer.wait()
+    kill_daemon_with_open_writer(m, mp / "ck/half.pt", 4096)
     m = mount_factory(f"s3://{bucket}", cache_dir=cache, mountpoint=mp)
     assert (mp / "dir/a\nb.bin").read_bytes()[:3] == b"dir"
     assert list((cache / "quarantine").iterdir())

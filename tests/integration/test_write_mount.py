@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import MountFactory
-from tests.support.mount import is_mounted, run_tierfs
+from tests.support.mount import is_mounted, kill_daemon_with_open_writer, run_tierfs
 from tests.support.seaweed import SeaweedServer
 
 MiB = 1 << 20
@@ -193,17 +193,7 @@ def test_writer_killed_before_close_is_quarantined(
 ) -> None:
     cache = tmp_path / "cache-q"
     m = mount_factory(f"s3://{bucket}", cache_dir=cache)
-    writer = subprocess.Popen(
-        ["python3", "-c",
-         "import sys,time; f=open(sys.argv[1],'wb'); f.write(b'x'*(3<<20)); f.flush(); "
-         "print('ok', flush=True); time.sleep(600)", str(m.mountpoint / "half.pt")],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert writer.stdout is not None and writer.stdout.readline().strip() == "ok"
-        m.kill9()
-    finally:
-        writer.kill()
-        writer.wait()
+    kill_daemon_with_open_writer(m, m.mountpoint / "half.pt", 3 << 20)
     m2 = mount_factory(f"s3://{bucket}", cache_dir=cache, mountpoint=m.mountpoint)
     flush(m2)
     assert "half.pt" not in keys(s3_server, bucket)

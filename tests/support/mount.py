@@ -97,3 +97,19 @@ class TierfsMount:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
             self._wait_dead()
+
+
+def kill_daemon_with_open_writer(m: TierfsMount, path: Path, nbytes: int) -> None:
+    """kill -9 the daemon while another process has written `nbytes` to `path`
+    and not closed it (the crash a quarantine exists for)."""
+    writer = subprocess.Popen(
+        [sys.executable, "-c", "import sys,time; f=open(sys.argv[1],'wb'); "
+         f"f.write(b'x'*{nbytes}); f.flush(); print('ok', flush=True); time.sleep(600)",
+         str(path)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "ok"
+        m.kill9()
+    finally:
+        writer.kill()
+        writer.wait()

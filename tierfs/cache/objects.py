@@ -239,12 +239,7 @@ class Entry:
         cs = self.chunk_size
         per = cs // PAGE
         lo, hi = offset // cs, (end - 1) // cs
-        with self._mu:
-            self._check_usable()
-            if self._state != CLEAN:
-                raise ValueError(f"store_pages() into {self.state} {self.key!r}: it is written locally")
-            self._pin(lo, hi)
-            self._storing += 1
+        self._begin_store(lo, hi, "store_pages")
         try:
             _pwrite_all(self._fd, mv, offset)  # same ETag: same bytes as any chunk there
             with self._mu:
@@ -449,12 +444,7 @@ class Entry:
             )
         lo, hi = offset // cs, (end - 1) // cs
         digests = [xxhash.xxh3_64_digest(mv[o : o + cs]) for o in range(0, len(mv), cs)]
-        with self._mu:
-            self._check_usable()
-            if self._state != CLEAN:
-                raise ValueError(f"store() into {self.state} {self.key!r}: it is written locally")
-            self._pin(lo, hi)
-            self._storing += 1
+        self._begin_store(lo, hi, "store")
         try:
             _pwrite_all(self._fd, mv, offset)
             with self._mu:
@@ -476,6 +466,16 @@ class Entry:
                 if not self._storing:
                     self._stores_done.notify_all()
         self._cache._make_room(self)
+
+    def _begin_store(self, lo: int, hi: int, what: str) -> None:
+        """Claim chunks lo..hi for fetched bytes: only a clean entry takes them, and
+        the chunks stay pinned (and dirtying waits) until the store is done."""
+        with self._mu:
+            self._check_usable()
+            if self._state != CLEAN:
+                raise ValueError(f"{what}() into {self.state} {self.key!r}: it is written locally")
+            self._pin(lo, hi)
+            self._storing += 1
 
     # -- write-back hooks ------------------------------------------------------
 
