@@ -258,6 +258,7 @@ class Daemon:
                 observe_read=self.metrics.read_served,
                 # Whole-object model prefetch leaves half the GET slots to demand reads.
                 prefetch_parallel=max(1, workers.data_limiter.total_tokens // 2),
+                landed_bytes=cfg.max_inflight_bytes,
             )
             ops: TierFS
             ns = Namespace(

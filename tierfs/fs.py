@@ -213,7 +213,7 @@ class TierFS(pyfuse3.Operations):
         return any(rx.match(base) for rx in self._prefetch)
 
     @fuse_errors
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         h = self._handles[fh]
         started = time.perf_counter()
         if self.ns.degraded and h.entry.state == "clean" and h.entry.missing_pages(off, off + size):

@@ -1,8 +1,11 @@
 """Read path (DESIGN §3): tier 1 first, then coalesced ranged GETs, with readahead.
 
-Every byte served comes out of the tier-1 sparse file: a fetch writes the
-ranged GET's body into it (one part at a time, into a reused part buffer,
-never the whole object in RAM) and the read is then answered from there.
+A fetch receives a ranged GET's body into a reused, aligned part buffer
+(never the whole object in RAM) and writes it to the tier-1 sparse file with
+O_DIRECT (cache/directio.py). The part buffer then stays in memory for a
+while (landed.py): a read of bytes that just landed is a memcpy from it;
+any other read comes out of tier 1 (O_DIRECT again for a clean object, so
+tier 1 never doubles the kernel's own page cache of the mount).
 
 Single-flight: every chunk (and every page of a small read) being fetched has
 one owner; any other reader (or readahead) that needs it waits on the owner's
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -34,7 +36,9 @@ from dataclasses import dataclass, field
 import trio
 
 from tierfs.cache import ChunkCorrupt, Entry
+from tierfs.cache.directio import ALIGN, BufferPool
 from tierfs.cache.objects import PAGE
+from tierfs.landed import LandedParts
 from tierfs.store.base import Store, StoreError
 from tierfs.workers import Workers
 
@@ -45,6 +49,8 @@ STREAM_SLACK = 4 << 20  # out-of-order tolerance for kernel async readahead
 STREAM_GAP = 128 << 10  # a read this close after a stream's end continues it at once
 SMALL_READ = 256 << 10  # a non-sequential read up to this size fetches only its pages
 SIZE_LOG_AFTER = 1024  # log the FUSE read size histogram once, after this many reads
+SERVE_BUFFER = (1 << 20) + 2 * ALIGN  # a 1 MiB FUSE read at any offset, aligned for O_DIRECT
+SERVE_BUFFERS_KEPT = 64  # about the kernel's max_background reads in flight
 
 
 @dataclass
@@ -113,6 +119,7 @@ class Reader:
         readahead_min: int,
         observe_read: Callable[[str, int], None] = lambda tier, n: None,
         prefetch_parallel: int = 4,
+        landed_bytes: int = 64 << 20,
     ) -> None:
         self.store = store
         self.workers = workers
@@ -126,8 +133,11 @@ class Reader:
         # (entry identity, page index) -> flight fetching that page for a small read
         self._page_flights: dict[tuple[int, int], _Flight] = {}
         self._prefetching: set[int] = set()  # entries with a prefetch_object running
-        self._buffers: list[bytearray] = []
-        self._buffers_mu = threading.Lock()
+        # Part buffers are taken in data worker threads: at most one per thread, so
+        # their total is bounded by the in-flight cap (data threads x part_size).
+        self._part_buffers = BufferPool(part_size, keep=64)
+        self._serve_buffers = BufferPool(SERVE_BUFFER, keep=SERVE_BUFFERS_KEPT)
+        self._landed = LandedParts(self._part_buffers, landed_bytes)
         self.request_sizes: Counter[int] = Counter()  # FUSE read sizes seen (KiB, rounded up)
         self._reads = 0
 
@@ -135,7 +145,14 @@ class Reader:
 
     async def read(
         self, entry: Entry, state: ReadState, off: int, size: int, readahead_max: int
-    ) -> bytes:
+    ) -> bytes | memoryview:
+        """The bytes of [off, off+size) clipped at EOF, fetched into tier 1 first.
+
+        A big read returns a view of a pooled buffer that is back in the pool when
+        this returns: the caller must hand it to the kernel before the trio loop
+        runs anything else (pyfuse3 replies right after `read` returns, with no
+        await in between). Buffers are only taken on the trio thread, so no
+        worker can be filling it meanwhile."""
         self._count_request(size)
         end = min(off + size, entry.size)
         if off >= end:
@@ -148,26 +165,35 @@ class Reader:
             fetched = await self.ensure(entry, off, end, whole_parts=window > 0)
         if window:
             self.prefetch(entry, end, min(end + window, entry.size))
-        serve = entry.read_pages if small else entry.read
-        for _ in range(3):
-            try:
-                if small and not fetched:
-                    # A few KiB from tier 1: cheaper on the loop than a thread hop
-                    # (warm random 4 KiB reads: ~1,350 -> ~3,800 reads/s in bench/randread.py).
-                    data = serve(off, end - off)
+        buf = None if small else self._serve_buffers.take(end - off + 2 * ALIGN)
+        try:
+            for _ in range(3):
+                try:
+                    if buf is not None and (part := self._landed.pin(entry, off, end)):
+                        # Just fetched: one memcpy (under the GIL either way, so inline).
+                        data: bytes | memoryview = self._landed.copy_out(part, off, end, buf)
+                    elif buf is not None:
+                        data = await self.workers.disk(entry.read_into, off, end - off, buf)
+                    elif not fetched:
+                        # A few KiB from tier 1: cheaper on the loop than a thread hop
+                        # (warm random 4 KiB reads: ~1,350 -> ~3,800 reads/s in bench/randread.py).
+                        data = entry.read_pages(off, end - off)
+                    else:
+                        data = await self.workers.disk(entry.read_pages, off, end - off)
+                    break
+                except ChunkCorrupt as exc:
+                    log.warning("cache chunk(s) %s of %r failed checksum: refetching", exc.chunks, entry.key)
+                except KeyError:
+                    pass  # chunks given up to eviction between fetch and read (tiny cache)
+                if small:
+                    fetched = await self.ensure_pages(entry, off, end) or fetched
                 else:
-                    data = await self.workers.disk(serve, off, end - off)
-                break
-            except ChunkCorrupt as exc:
-                log.warning("cache chunk(s) %s of %r failed checksum: refetching", exc.chunks, entry.key)
-            except KeyError:
-                pass  # chunks given up to eviction between fetch and read (tiny cache)
-            if small:
-                fetched = await self.ensure_pages(entry, off, end) or fetched
+                    fetched = await self.ensure(entry, off, end, whole_parts=False) or fetched
             else:
-                fetched = await self.ensure(entry, off, end, whole_parts=False) or fetched
-        else:
-            raise OSError(errno.EIO, "cache keeps returning corrupt data")
+                raise OSError(errno.EIO, "cache keeps returning corrupt data")
+        finally:
+            if buf is not None:
+                self._serve_buffers.give(buf)
         self.observe_read("store" if fetched else "cache", len(data))
         return data
 
@@ -394,31 +420,17 @@ class Reader:
             flight.done.set()
 
     def _get_and_store(self, entry: Entry, a: int, b: int) -> None:
-        buf = self._take_buffer(b - a)
+        buf = self._part_buffers.take(b - a)
         try:
-            view = memoryview(buf)[: b - a]
+            view = buf[: b - a]
             n = self.store.get_range_into(entry.key, a, b - a, view, entry.etag)
             if n != b - a:
                 raise StoreError(f"short read of {entry.key!r}: {n} of {b - a} bytes")
             entry.store(a, view)
-        finally:
-            self._give_buffer(buf)
-
-    def _take_buffer(self, size: int) -> bytearray:
-        """A reusable part buffer: no fresh 8 MiB allocation (page faults, zeroing) per
-        GET. At most one per data worker thread exists, so their total is bounded by
-        the in-flight cap (data threads x part_size)."""
-        if size > self.part_size:
-            return bytearray(size)
-        with self._buffers_mu:
-            if self._buffers:
-                return self._buffers.pop()
-        return bytearray(self.part_size)
-
-    def _give_buffer(self, buf: bytearray) -> None:
-        if len(buf) == self.part_size:
-            with self._buffers_mu:
-                self._buffers.append(buf)
+        except BaseException:
+            self._part_buffers.give(buf)
+            raise
+        self._landed.land(entry, a, b, buf)
 
 
 async def _wait_all(flights: list[_Flight]) -> None:

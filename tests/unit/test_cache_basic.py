@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tierfs.cache import Cache, CacheBusy, CacheConflict, CacheUnwritable
+from tierfs.cache.directio import ALIGN, aligned_buffer
 
 CS = 4096
 
@@ -33,10 +34,10 @@ def test_store_read_round_trip(tmp_path: Path) -> None:
     assert e.read(CS - 7, 20) == data[CS - 7 : CS + 13]
     assert e.read(len(data) - 10, 100) == data[-10:]  # clipped at EOF
     assert e.read(len(data), 10) == b""
-    buf = bytearray(3 * CS)
-    assert e.readinto(CS + 5, buf) == 3 * CS
-    assert bytes(buf) == data[CS + 5 : 4 * CS + 5]
-    assert e.readinto(len(data) - 3, memoryview(buf)) == 3
+    buf = aligned_buffer(3 * CS + 2 * ALIGN)  # clean: served through O_DIRECT
+    assert bytes(e.read_into(CS + 5, 3 * CS, buf)) == data[CS + 5 : 4 * CS + 5]
+    assert bytes(e.read_into(len(data) - 3, 100, buf)) == data[-3:]  # clipped at EOF
+    assert bytes(e.read_into(len(data), 10, buf)) == b""
     assert c.stats().used_bytes == len(data)
     assert os.path.getsize(e.path) == len(data)
     c.release(e)

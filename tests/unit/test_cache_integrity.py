@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tierfs.cache import Cache, ChunkCorrupt
+from tierfs.cache.directio import ALIGN, aligned_buffer
 
 CS = 4096
 
@@ -106,15 +107,15 @@ def test_verified_state_survives_release_and_reopen(tmp_path: Path) -> None:
     c.close()
 
 
-def test_readinto_detects_corruption(tmp_path: Path) -> None:
+def test_read_into_detects_corruption(tmp_path: Path) -> None:
     data = os.urandom(3 * CS)
     path = cached_file(tmp_path / "c", "k", data)
     poke(path, 3 * CS - 1, b"\x00" if data[-1] else b"\x01")
     c = new_cache(tmp_path / "c")
     e = c.open("k", "e", len(data), 0.0)
-    buf = bytearray(len(data))
+    buf = aligned_buffer(len(data) + 2 * ALIGN)  # through O_DIRECT: the on-disk bytes
     with pytest.raises(ChunkCorrupt):
-        e.readinto(0, buf)
+        e.read_into(0, len(data), buf)
     assert e.missing(0, len(data)) == [(2 * CS, 3 * CS)]
     c.release(e)
     c.close()

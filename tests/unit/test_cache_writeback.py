@@ -261,13 +261,13 @@ def test_failed_write_leaves_a_sealable_file(
     c = new_cache(tmp_path / "c")
     e = c.open("k", "", 0, 0.0)
     e.write(0, b"a" * (CS + 100))
-    real = objects._pwrite_all
+    real = objects.pwrite_all
 
     def half_then_enospc(fd: int, data: memoryview, offset: int) -> None:
         real(fd, data[: len(data) // 2], offset)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(objects, "_pwrite_all", half_then_enospc)
+    monkeypatch.setattr(objects, "pwrite_all", half_then_enospc)
     with pytest.raises(OSError):
         e.write(CS + 100, b"b" * (2 * CS))  # sequential: a running checksum was going
     with pytest.raises(OSError):
@@ -294,16 +294,16 @@ def test_going_dirty_waits_for_stores_in_flight(
     c = new_cache(tmp_path / "c")
     e = c.open("k", "e", CS, 0.0)
     e.store(0, b"o" * CS)
-    real = objects._pwrite_all
+    real = objects.pwrite_direct
     storing = threading.Event()
 
-    def slow(fd: int, data: memoryview, offset: int) -> None:
+    def slow(dfd: int, fd: int, data: memoryview, offset: int) -> None:
         if threading.current_thread().name == "fetcher":
             storing.set()
             time.sleep(0.3)
-        real(fd, data, offset)
+        real(dfd, fd, data, offset)
 
-    monkeypatch.setattr(objects, "_pwrite_all", slow)
+    monkeypatch.setattr(objects, "pwrite_direct", slow)
     fetcher = threading.Thread(target=e.store, args=(0, b"o" * CS), name="fetcher")
     fetcher.start()
     storing.wait()

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -46,10 +47,11 @@ def test_example_config_loads_and_means_what_it_says() -> None:
     assert cfg.mountpoint == Path("/mnt/data")
     assert cfg.cache_dir == Path("/var/cache/tierfs/data")
     assert cfg.cache_size == 500 << 30
-    assert cfg.readahead_max == 256 * MiB
+    # [read] readahead is the window of every class that does not set its own
+    assert {c.readahead_max for c in cfg.classes.values()} == {64 * MiB}
     assert cfg.metrics_addr == "127.0.0.1:9464"
     assert math.isinf(cfg.classes["dataset"].list_ttl)
-    assert cfg.classes["manifest"] == DEFAULT_CLASSES["manifest"]
+    assert cfg.classes["manifest"] == replace(DEFAULT_CLASSES["manifest"], readahead_max=64 * MiB)
     # file rules first, built-ins after
     assert cfg.rules[:2] == (("shards/**", "dataset"), ("*.jsonl", "dataset"))
     assert cfg.rules[2:] == DEFAULT_RULES
@@ -187,3 +189,12 @@ def test_log_lines_are_single_line_logfmt(monkeypatch: pytest.MonkeyPatch) -> No
     out = fmt.format(rec)
     assert "\n" not in out
     assert out.startswith('level=warning logger=tierfs.x msg="bad \\"key\\" k" exc="Traceback')
+
+
+def test_read_readahead_is_the_window_of_every_class_not_setting_its_own(tmp_path: Path) -> None:
+    p = write(tmp_path, 'source = "s3://bkt"\nmountpoint = "/mnt/x"\n[read]\nreadahead = "32M"\n'
+                        '[classes.dataset]\nreadahead_max = "128M"\n')
+    cfg = build_config(load_config_file(p), None, None)
+    assert cfg.classes["dataset"].readahead_max == 128 * MiB
+    assert cfg.classes["checkpoint"].readahead_max == 32 * MiB
+    assert build_config(None, "s3://bkt", "/mnt/x").classes["dataset"].readahead_max == 64 * MiB

@@ -132,7 +132,7 @@ async def test_concurrent_readers_of_a_cold_range_cause_one_get_per_part(cache: 
             st = ReadState()
             out = []
             for off in range(0, len(data), 512 * KiB):  # big reads: no page path
-                out.append(await r.read(e, st, off, 512 * KiB, 4 * PART))
+                out.append(bytes(await r.read(e, st, off, 512 * KiB, 4 * PART)))  # a pooled view: copy now
             got.append(b"".join(out))
 
         async with trio.open_nursery() as readers:
@@ -218,4 +218,36 @@ async def test_prefetch_object_fills_tier1_and_releases(cache: Cache) -> None:
         n.cancel_scope.cancel()
     assert e.missing(0, len(data)) == []
     assert store.bytes_fetched <= len(data) + 4096
+    cache.release(e)
+
+
+async def test_bytes_that_just_landed_are_served_from_memory(cache: Cache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sequential read of a part right after its GET is a memcpy from the part
+    buffer; once the part aged out of memory the same bytes come from tier 1."""
+    part = 2 * PART  # reads of a whole part are then bigger than SMALL_READ
+    assert part > SMALL_READ
+    data = os.urandom(8 * part)
+    store = FakeStore({"k": data}, delay=0)
+    e = cache.open("k", "e", len(data), 1.0)
+    tier1_reads: list[int] = []
+    real = e.read_into
+
+    def counted(offset: int, length: int, buf: memoryview) -> memoryview:
+        tier1_reads.append(offset)
+        return real(offset, length, buf)
+
+    monkeypatch.setattr(e, "read_into", counted)  # observe which path served a read
+    async with trio.open_nursery() as n:
+        r = Reader(store, Workers(4, 1, 4), n, part_size=part, readahead_min=CS,  # type: ignore[arg-type]
+                   landed_bytes=2 * part)
+        st = ReadState()
+        assert bytes(await r.read(e, st, 0, part, part)) == data[:part]
+        assert bytes(await r.read(e, st, part, part, part)) == data[part : 2 * part]
+        assert tier1_reads == []
+        # Four more parts land (readahead and reads); the first ones age out.
+        for off in range(2 * part, 6 * part, part):
+            assert bytes(await r.read(e, st, off, part, part)) == data[off : off + part]
+        assert bytes(await r.read(e, ReadState(), 0, part, part)) == data[:part]
+        assert tier1_reads == [0]
+        n.cancel_scope.cancel()
     cache.release(e)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from tierfs.cache.directio import ALIGN, pread_direct, pwrite_all, pwrite_direct, reopen_direct
 from tierfs.cache.eviction import shed_order
 from tierfs.cache.eviction import use as record_use
 from tierfs.cache.index import (
@@ -74,12 +75,6 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
     if length > 0 and _fallocate(fd, _PUNCH_HOLE, offset, length) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
 
 
 def _pread(fd: int, length: int, offset: int) -> bytes:
@@ -150,6 +145,7 @@ class Entry:
         self._kh = kh
         self._fid = rec.fid
         self._fd = fd
+        self._dfd: int | None = None  # O_DIRECT twin of _fd, opened on first use
         self._mu = threading.Lock()
         self._states = states
         self._pins: dict[int, int] = {}
@@ -241,7 +237,7 @@ class Entry:
         lo, hi = offset // cs, (end - 1) // cs
         self._begin_store(lo, hi, "store_pages")
         try:
-            _pwrite_all(self._fd, mv, offset)  # same ETag: same bytes as any chunk there
+            pwrite_all(self._fd, mv, offset)  # same ETag: same bytes as any chunk there
             with self._mu:
                 for p in range(offset // PAGE, -(-end // PAGE)):
                     c = p // per
@@ -306,14 +302,31 @@ class Entry:
             check(memoryview(data))
             return data
 
-    def readinto(self, offset: int, buf: bytearray | memoryview) -> int:
-        """`read` into a caller's buffer (one preadv, no extra copy); returns the count."""
-        mv = memoryview(buf).cast("B")
-        with self._serving(offset, len(mv)) as (n, check):
-            if n:
-                view = mv[:n]
-                check(view[: _preadv(self._fd, view, offset)])
-            return n
+    def read_into(self, offset: int, length: int, buf: memoryview) -> memoryview:
+        """`read` into `buf` (from `directio.aligned_buffer`, at least `length` +
+        2 * ALIGN bytes); returns the view of `buf` holding the bytes. A clean
+        entry is read through O_DIRECT (see `directio`): tier 1 is not copied
+        into the page cache a second time."""
+        with self._serving(offset, length) as (n, check):
+            if not n:
+                return buf[:0]
+            a = offset - offset % ALIGN
+            b = -(-(offset + n) // ALIGN) * ALIGN
+            dfd = self._direct_fd() if self._state == CLEAN else -1
+            if dfd >= 0:
+                got = pread_direct(dfd, buf[: b - a], a)
+            else:
+                got = _preadv(self._fd, buf[: b - a], a)
+            view = buf[offset - a : max(offset - a, min(got, offset - a + n))]
+            check(view)
+            return view
+
+    def _direct_fd(self) -> int:
+        with self._mu:
+            if self._dfd is None:
+                self._check_usable()
+                self._dfd = reopen_direct(self._fd)
+            return self._dfd
 
     @contextmanager
     def _serving(
@@ -446,7 +459,7 @@ class Entry:
         digests = [xxhash.xxh3_64_digest(mv[o : o + cs]) for o in range(0, len(mv), cs)]
         self._begin_store(lo, hi, "store")
         try:
-            _pwrite_all(self._fd, mv, offset)
+            pwrite_direct(self._direct_fd(), self._fd, mv, offset)
             with self._mu:
                 if not self._detached:
                     with self._cache._index.write() as wt:
@@ -492,7 +505,7 @@ class Entry:
             grew = offset + len(mv) > self.size
             if mv:
                 try:
-                    _pwrite_all(self._fd, mv, offset)
+                    pwrite_all(self._fd, mv, offset)
                 except OSError:
                     # Part of it may have landed (ENOSPC): no running checksum may
                     # vouch for those chunks, and the file keeps its known length.
@@ -755,6 +768,9 @@ class Entry:
             finally:
                 os.close(self._fd)
                 self._fd = -1
+                if self._dfd is not None and self._dfd >= 0:
+                    os.close(self._dfd)
+                self._dfd = None
             if not self._detached and self._state != DIRTY and VERIFIED in self._states:
                 self._cache._stash(self._fid, self._states)
             if not self._detached and self._state == CLEAN and self._pages:
