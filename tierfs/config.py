@@ -154,7 +154,10 @@ class MountConfig:
     metrics_allow_remote: bool = False
 
     # store
-    part_size: int = 8 * MiB
+    # Ranged GET / multipart part. Each request costs ~2 ms of botocore CPU and
+    # the server its own share: 16 MiB parts read a cold 2 GiB object at 0.78x
+    # raw boto3 where 8 MiB parts managed 0.71x (bench VM, 3 runs each).
+    part_size: int = 16 * MiB
     max_parallel_gets: int = 16
     max_parallel_puts: int = 8  # multipart parts in flight per upload
     max_parallel_uploads: int = 2  # files uploading at once

@@ -87,6 +87,12 @@ class LandedParts:
                     return part
         return None
 
+    def holds(self, entry: Entry, start: int, end: int) -> bool:
+        with self._mu:
+            return any(
+                p.entry is entry and p.start <= start and end <= p.end for p in self._parts.values()
+            )
+
     def copy_out(self, part: _Part, start: int, end: int, out: memoryview) -> memoryview:
         """Copy [start, end) out of a pinned part into `out`; unpins it."""
         try:

@@ -223,7 +223,8 @@ async def test_prefetch_object_fills_tier1_and_releases(cache: Cache) -> None:
 
 async def test_bytes_that_just_landed_are_served_from_memory(cache: Cache, monkeypatch: pytest.MonkeyPatch) -> None:
     """A sequential read of a part right after its GET is a memcpy from the part
-    buffer; once the part aged out of memory the same bytes come from tier 1."""
+    buffer; once the part aged out of memory the same bytes come from tier 1,
+    and a sequential reader of tier-1 bytes gets the next part staged."""
     part = 2 * PART  # reads of a whole part are then bigger than SMALL_READ
     assert part > SMALL_READ
     data = os.urandom(8 * part)
@@ -247,7 +248,18 @@ async def test_bytes_that_just_landed_are_served_from_memory(cache: Cache, monke
         # Four more parts land (readahead and reads); the first ones age out.
         for off in range(2 * part, 6 * part, part):
             assert bytes(await r.read(e, st, off, part, part)) == data[off : off + part]
-        assert bytes(await r.read(e, ReadState(), 0, part, part)) == data[:part]
-        assert tier1_reads == [0]
+        st = ReadState()
+        assert bytes(await r.read(e, st, 0, part, part)) == data[:part]
+        # That read came from tier 1, and it staged the next part (present in
+        # tier 1, no longer in memory) with one read ahead of the stream ...
+        assert sorted(tier1_reads) == [0, part]  # (two threads: either order)
+        while r._staging:
+            await trio.sleep(0.01)
+        # ... which the stream's next request then finds in memory.
+        assert bytes(await r.read(e, st, part, part, part)) == data[part : 2 * part]
+        while r._staging:
+            await trio.sleep(0.01)
+        assert sorted(tier1_reads) == [0, part, 2 * part]  # staging moved on ahead
+        assert store.bytes_fetched <= len(data)  # nothing fetched twice
         n.cancel_scope.cancel()
     cache.release(e)
