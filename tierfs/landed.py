@@ -28,9 +28,9 @@ if TYPE_CHECKING:
 
 
 class _Part:
-    __slots__ = ("entry", "etag", "start", "end", "buf", "pins", "gone")
+    __slots__ = ("entry", "etag", "start", "end", "buf", "pins", "gone", "staged")
 
-    def __init__(self, entry: Entry, start: int, end: int, buf: memoryview) -> None:
+    def __init__(self, entry: Entry, start: int, end: int, buf: memoryview, staged: bool) -> None:
         self.entry = entry
         self.etag = entry.etag
         self.start = start
@@ -38,6 +38,7 @@ class _Part:
         self.buf = buf
         self.pins = 0
         self.gone = False
+        self.staged = staged  # loaded from tier 1 ahead of a reader (not fetched)
 
 
 class LandedParts:
@@ -48,13 +49,15 @@ class LandedParts:
         self._held = 0
         self._mu = threading.Lock()
 
-    def land(self, entry: Entry, start: int, end: int, buf: memoryview) -> None:
+    def land(
+        self, entry: Entry, start: int, end: int, buf: memoryview, *, staged: bool = False
+    ) -> None:
         """Keep `buf` (holding [start, end) of `entry`, from `pool`) for later reads;
         the pool gets it back once it ages out."""
         if end - start > self.capacity:
             self.pool.give(buf)
             return
-        part = _Part(entry, start, end, buf)
+        part = _Part(entry, start, end, buf, staged)
         free: list[memoryview] = []
         with self._mu:
             old = self._parts.pop((id(entry), start), None)

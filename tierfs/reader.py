@@ -166,16 +166,23 @@ class Reader:
             fetched = await self.ensure(entry, off, end, whole_parts=window > 0)
         if window:
             self.prefetch(entry, end, min(end + window, entry.size))
-            self._stage(entry, end, min(end + window, entry.size))
         buf = None if small else self._serve_buffers.take(end - off + 2 * ALIGN)
         try:
             for _ in range(3):
                 try:
                     if buf is not None and (part := self._landed.pin(entry, off, end)):
                         # Just fetched: one memcpy (under the GIL either way, so inline).
+                        staged = part.staged
                         data: bytes | memoryview = self._landed.copy_out(part, off, end, buf)
+                        if window and staged:
+                            self._stage(entry, end, min(end + window, entry.size))
                     elif buf is not None:
                         data = await self.workers.disk(entry.read_into, off, end - off, buf)
+                        if window and not fetched:
+                            # A sequential reader of tier 1 (not of bytes that just
+                            # landed, nor of ones it waited for): load what follows,
+                            # and keep doing so while it reads staged parts (above).
+                            self._stage(entry, end, min(end + window, entry.size))
                     elif not fetched:
                         # A few KiB from tier 1: cheaper on the loop than a thread hop
                         # (warm random 4 KiB reads: ~1,350 -> ~3,800 reads/s in bench/randread.py).
@@ -322,7 +329,7 @@ class Reader:
         except BaseException:
             self._part_buffers.give(buf)
             raise
-        self._landed.land(entry, a, b, buf)
+        self._landed.land(entry, a, b, buf, staged=True)
 
     def prefetching(self, entry: Entry) -> bool:
         return id(entry) in self._prefetching
