@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
-
-import pytest
 
 from tierfs.cache import Cache
 from tierfs.cache.directio import ALIGN, BufferPool, aligned_buffer, is_aligned
@@ -15,13 +12,6 @@ KiB = 1 << 10
 CS = 64 * KiB
 PART = 4 * CS
 
-
-@pytest.fixture
-def cache(tmp_path: Path):
-    c = Cache(tmp_path / "c", capacity=1 << 30, chunk_size=CS, min_free=0)
-    c.bind("file:///src")
-    yield c
-    c.close()
 
 
 def landed_part(pool: BufferPool, data: bytes) -> memoryview:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import trio
@@ -90,13 +89,6 @@ class FakeStore:
             self.gets.append((start, len(data)))
         return len(data)
 
-
-@pytest.fixture
-def cache(tmp_path: Path):
-    c = Cache(tmp_path / "c", capacity=1 << 30, chunk_size=CS, min_free=0)
-    c.bind("file:///src")
-    yield c
-    c.close()
 
 
 def make_reader(store: FakeStore, nursery: trio.Nursery) -> Reader:
