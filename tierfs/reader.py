@@ -171,7 +171,7 @@ class Reader:
             for _ in range(3):
                 try:
                     if buf is not None and (part := self._landed.pin(entry, off, end)):
-                        # Just fetched: one memcpy (under the GIL either way, so inline).
+                        # Just fetched or staged: one memcpy (under the GIL either way, so inline).
                         staged = part.staged
                         data: bytes | memoryview = self._landed.copy_out(part, off, end, buf)
                         if window and staged:
