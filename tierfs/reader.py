@@ -133,9 +133,11 @@ class Reader:
         # (entry identity, page index) -> flight fetching that page for a small read
         self._page_flights: dict[tuple[int, int], _Flight] = {}
         self._prefetching: set[int] = set()  # entries with a prefetch_object running
-        # Part buffers are taken in data worker threads: at most one per thread, so
-        # their total is bounded by the in-flight cap (data threads x part_size).
-        self._part_buffers = BufferPool(part_size, keep=64)
+        # Part buffers: one per GET in flight (data threads) plus the landed ones;
+        # no more than that many are kept idle.
+        self._part_buffers = BufferPool(
+            part_size, keep=workers.data_limiter.total_tokens + landed_bytes // part_size
+        )
         self._serve_buffers = BufferPool(SERVE_BUFFER, keep=SERVE_BUFFERS_KEPT)
         self._landed = LandedParts(self._part_buffers, landed_bytes)
         self._staging: set[tuple[int, int]] = set()  # (entry identity, part start) loading
@@ -170,25 +172,7 @@ class Reader:
         try:
             for _ in range(3):
                 try:
-                    if buf is not None and (part := self._landed.pin(entry, off, end)):
-                        # Just fetched or staged: one memcpy (under the GIL either way, so inline).
-                        staged = part.staged
-                        data: bytes | memoryview = self._landed.copy_out(part, off, end, buf)
-                        if window and staged:
-                            self._stage(entry, end, min(end + window, entry.size))
-                    elif buf is not None:
-                        data = await self.workers.disk(entry.read_into, off, end - off, buf)
-                        if window and not fetched:
-                            # A sequential reader of tier 1 (not of bytes that just
-                            # landed, nor of ones it waited for): load what follows,
-                            # and keep doing so while it reads staged parts (above).
-                            self._stage(entry, end, min(end + window, entry.size))
-                    elif not fetched:
-                        # A few KiB from tier 1: cheaper on the loop than a thread hop
-                        # (warm random 4 KiB reads: ~1,350 -> ~3,800 reads/s in bench/randread.py).
-                        data = entry.read_pages(off, end - off)
-                    else:
-                        data = await self.workers.disk(entry.read_pages, off, end - off)
+                    data = await self._serve(entry, off, end, buf, window=window, fetched=fetched)
                     break
                 except ChunkCorrupt as exc:
                     log.warning("cache chunk(s) %s of %r failed checksum: refetching", exc.chunks, entry.key)
@@ -204,6 +188,32 @@ class Reader:
             if buf is not None:
                 self._serve_buffers.give(buf)
         self.observe_read("store" if fetched else "cache", len(data))
+        return data
+
+    async def _serve(
+        self, entry: Entry, off: int, end: int, buf: memoryview | None, *, window: int, fetched: bool
+    ) -> bytes | memoryview:
+        """One attempt at answering [off, end): a small read from tier 1's pages, a
+        big one (into `buf`) from landed memory or else from tier 1."""
+        if buf is None:
+            if not fetched:
+                # A few KiB from tier 1: cheaper on the loop than a thread hop
+                # (warm random 4 KiB reads: ~1,350 -> ~3,800 reads/s in bench/randread.py).
+                return entry.read_pages(off, end - off)
+            return await self.workers.disk(entry.read_pages, off, end - off)
+        part = self._landed.pin(entry, off, end)
+        if part is not None:
+            stage = part.staged  # read before copy_out unpins it
+            # Fetched or staged moments ago: one memcpy (under the GIL either way, so inline).
+            data: bytes | memoryview = self._landed.copy_out(part, off, end, buf)
+        else:
+            data = await self.workers.disk(entry.read_into, off, end - off, buf)
+            stage = not fetched
+        if window and stage:
+            # A sequential reader of tier 1 (not of bytes that just landed from the
+            # store, nor of ones it waited for) gets what follows loaded ahead, and
+            # keeps getting it while it reads the staged parts.
+            self._stage(entry, end, min(end + window, entry.size))
         return data
 
     def _count_request(self, size: int) -> None:

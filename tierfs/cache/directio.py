@@ -6,8 +6,8 @@ page cache made a second copy of each byte, and on the 2-core bench VM that
 fill was the most expensive step of a cold read: a buffered 1 GiB pwrite of
 fetched parts cost ~1.0-1.6 s of CPU (fresh page allocation and later
 writeback), the same write with O_DIRECT ~0.05 s; reading it back buffered
-~0.7-0.95 s, with O_DIRECT ~0.05 s (/tmp measurement in the closing note of
-issue 3). So fetched chunks go to tier 1 and come back out of it through
+~0.7-0.95 s, with O_DIRECT ~0.05 s (1 GiB in 8 MiB pwrite/preadv calls after
+drop_caches, CPU time from os.times()). So fetched chunks go to tier 1 and come back out of it through
 O_DIRECT whenever offset, length and memory are aligned, and only unaligned
 tails (the end of an object) use the page cache.
 
