@@ -222,6 +222,24 @@ def test_put_file_single_and_multipart(
     assert not c.list_multipart_uploads(Bucket=bucket).get("Uploads")
 
 
+def test_uploads_do_not_hash_the_payload(store: S3Store, tmp_path: Path) -> None:
+    """SigV4 over plain http would SHA-256 every uploaded byte; the store opts out
+    (UNSIGNED-PAYLOAD), and the real server accepts it."""
+    seen: list[str] = []
+
+    def grab(request: object, **_: object) -> None:
+        seen.append(request.headers.get("x-amz-content-sha256", b"").decode())  # type: ignore[attr-defined]
+
+    store._client.meta.events.register("before-send.s3.UploadPart", grab)
+    store._client.meta.events.register("before-send.s3.PutObject", grab)
+    big = tmp_path / "big"
+    big.write_bytes(os.urandom(11 * MiB))
+    store.put_file("s/unsigned", str(big))
+    store.put_bytes("s/unsigned-small", b"x" * 100)
+    assert seen == ["UNSIGNED-PAYLOAD"] * 4  # three parts, one small PUT
+    assert store.head("s/unsigned").size == 11 * MiB
+
+
 def test_part_size_grows_to_fit_10000_parts() -> None:
     assert S3Store._part_size_for(20 * MiB, 1 * MiB) == 5 * MiB  # S3's minimum part
     assert S3Store._part_size_for(50 << 30, 8 * MiB) == 8 * MiB
