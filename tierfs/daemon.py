@@ -25,13 +25,13 @@ from tierfs.config import ConfigError, MountConfig, parse_listen_addr
 from tierfs.control import ControlServer, socket_path
 from tierfs.fs import TierFS
 from tierfs.metrics import Metrics
-from tierfs.namespace import UNREACHABLE_KINDS, Namespace
+from tierfs.namespace import Namespace
 from tierfs.ops import ControlOps
 from tierfs.policy import Policy
 from tierfs.reader import Reader
 from tierfs.sdnotify import notify
 from tierfs.store import open_store
-from tierfs.store.base import Store, StoreError
+from tierfs.store.base import UNREACHABLE_KINDS, Store, StoreError
 from tierfs.workers import Workers, limit_malloc_arenas
 from tierfs.writeback import WriteBack
 

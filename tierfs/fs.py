@@ -402,7 +402,7 @@ class TierFS(pyfuse3.Operations):
         if await self._exists(parent_inode, text):
             raise pyfuse3.FUSEError(errno.EEXIST)
         parent = self.ns.get(parent_inode)
-        await self.wb.make_dir(f"{parent.key}{text}/")
+        await self.wb.make_dir(f"{parent.key}{text}/", store_down=self.ns.degraded)
         self.metrics.meta_op("mkdir")
         return self.attrs(self.ns.add(parent_inode, text, is_dir=True))
 

@@ -25,7 +25,7 @@ import trio
 from tierfs.cache import Cache
 from tierfs.config import ClassSettings
 from tierfs.policy import Policy
-from tierfs.store.base import Listing, ObjectInfo, Store, StoreError
+from tierfs.store.base import UNREACHABLE_KINDS, Listing, ObjectInfo, Store, StoreError
 from tierfs.workers import Workers
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 ROOT_INODE = 1
 NAME_MAX = 255
 # A store that fails in one of these ways is "down": fall back to the index.
-UNREACHABLE_KINDS = frozenset({"unreachable", "timeout", "throttled"})
 # One open(2) is a lookup, an open and an fstat: the lookup's HEAD serves all three.
 STRICT_REUSE = 1.0
 DEGRADED_RETRY = 5.0  # seconds before a degraded listing is retried against the store

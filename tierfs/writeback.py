@@ -33,7 +33,7 @@ import trio
 
 from tierfs.cache import Cache, Entry
 from tierfs.policy import Policy
-from tierfs.store.base import ObjectInfo, Store, StoreError
+from tierfs.store.base import UNREACHABLE_KINDS, ObjectInfo, Store, StoreError
 from tierfs.workers import Workers
 
 log = logging.getLogger(__name__)
@@ -205,10 +205,13 @@ class WriteBack:
                     raise UploadCancelled(key)
                 lf.uploaded += n
 
-            meta = {DIGEST_META: digest, MTIME_META: f"{lf.mtime:.9f}"}
+            # A journaled dir marker (make_dir) is a directory to stores like
+            # SeaweedFS, which keep no user metadata on it: its size is its proof.
+            marker = key.endswith("/")
+            meta = {} if marker else {DIGEST_META: digest, MTIME_META: f"{lf.mtime:.9f}"}
             self.store.put_file(key, str(entry.path), metadata=meta, progress=progress)
             info = self.store.head(key)
-            if info.size != size or info.metadata.get(DIGEST_META) != digest:
+            if info.size != size or (not marker and info.metadata.get(DIGEST_META) != digest):
                 raise StoreError(
                     f"upload of {key!r} did not verify: store has {info.size} bytes, "
                     f"digest {info.metadata.get(DIGEST_META)!r}; expected {size}, {digest!r}"
@@ -322,11 +325,30 @@ class WriteBack:
         await self.workers.disk(self.cache.remove, key)
         await self.workers.meta(self.store.delete, key)
 
-    async def make_dir(self, prefix: str) -> None:
-        """mkdir: an empty directory persists as a zero-byte `prefix/` marker."""
-        await self.workers.meta(self.store.put_bytes, prefix, b"")
+    async def make_dir(self, prefix: str, *, store_down: bool) -> None:
+        """mkdir: an empty directory persists as a zero-byte `prefix/` marker. While
+        the store is away (`store_down`, or the PUT says so) the marker is journaled
+        like a sealed write-back file and lands with the uploads: a training job
+        can still make `step-N/` and write its checkpoint into it."""
+        if not store_down:
+            try:
+                await self.workers.meta(self.store.put_bytes, prefix, b"")
+                return
+            except StoreError as exc:
+                if exc.kind not in UNREACHABLE_KINDS:
+                    raise
+        entry = await self.workers.disk(self.cache.open, prefix, "", 0, time.time())
+        try:
+            await self.workers.disk(entry.truncate, 0)
+            self.note_dirty(prefix, 0)
+            await self.seal(entry, write_through=False)
+        finally:
+            await self.workers.disk(self.cache.release, entry)
 
     async def remove_dir(self, prefix: str) -> None:
+        """rmdir: a journaled marker goes first, so it cannot land afterwards."""
+        await self._drop_local(prefix)
+        await self.workers.disk(self.cache.remove, prefix)
         await self.workers.meta(self.store.delete, prefix)
 
     async def rename_file(self, old: str, new: str) -> list[ObjectInfo]:

@@ -171,6 +171,12 @@ def test_blackhole_mid_upload_cached_reads_keep_working_and_upload_lands(
           f"max={max(lat) * 1e3:.1f}ms")
     assert p99 < 0.5, (p50, p99, max(lat))
     assert seen_degraded, "status never showed the store as down"
+    # a new checkpoint dir while the store is away: the marker is journaled
+    t0 = time.monotonic()
+    os.mkdir(mp / "ckpt/step-2")
+    assert time.monotonic() - t0 < 3, "mkdir waited for the store"
+    (mp / "ckpt/step-2/extra.pt").write_bytes(more)
+    assert "step-2" in os.listdir(mp / "ckpt")
     assert obj_missing_or_differs(s3_server, bucket, "ckpt/model.pt", ckpt)
     proxy.clear()
     t0 = time.monotonic()
@@ -178,6 +184,8 @@ def test_blackhole_mid_upload_cached_reads_keep_working_and_upload_lands(
     print(f"upload landed {time.monotonic() - t0:.1f}s after the store returned")
     assert obj(s3_server, bucket, "ckpt/model.pt") == ckpt
     assert obj(s3_server, bucket, "ckpt/optim.pt") == more
+    assert obj(s3_server, bucket, "ckpt/step-2/extra.pt") == more
+    assert obj(s3_server, bucket, "ckpt/step-2/") == b""  # the journaled marker landed
     deadline = time.monotonic() + 15
     while m.status()["degraded"]:
         assert time.monotonic() < deadline, "never left degraded mode"

@@ -44,6 +44,10 @@ class StoreError(Exception):
         self.kind = kind
 
 
+# Kinds that mean "the store is away", not "the request is wrong": degraded mode
+# and work that waits for the store to return (journaled uploads, dir markers).
+UNREACHABLE_KINDS = frozenset({"unreachable", "timeout", "throttled"})
+
 # Called once per store request: (op, outcome, seconds, bytes). outcome is
 # "ok", "retry" or a StoreError kind. Used for metrics; must be cheap.
 RequestObserver = Callable[[str, str, float, int], None]
