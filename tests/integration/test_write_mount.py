@@ -219,7 +219,10 @@ def test_full_cache_disk_gives_enospc_and_loses_nothing(
             (m.mountpoint / f"ok-{i}.pt").write_bytes(data)
             closed[f"ok-{i}.pt"] = data
         seen: list[str] = []  # the writer's errors, in order: write/fsync, then close
-        fd = os.open(m.mountpoint / "huge.pt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            fd = os.open(m.mountpoint / "huge.pt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        except OSError as e:
+            pytest.fail(f"create failed: {e}; daemon log:\n{log.read_text()[-3000:]}")
         try:
             for _ in range(64):
                 os.write(fd, os.urandom(MiB))
