@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 
 ROOT_INODE = 1
 NAME_MAX = 255
-# A store that fails in one of these ways is "down": fall back to the index.
 # One open(2) is a lookup, an open and an fstat: the lookup's HEAD serves all three.
 STRICT_REUSE = 1.0
 DEGRADED_RETRY = 5.0  # seconds before a degraded listing is retried against the store

@@ -340,7 +340,6 @@ class WriteBack:
         entry = await self.workers.disk(self.cache.open, prefix, "", 0, time.time())
         try:
             await self.workers.disk(entry.truncate, 0)
-            self.note_dirty(prefix, 0)
             await self.seal(entry, write_through=False)
         finally:
             await self.workers.disk(self.cache.release, entry)
