@@ -82,19 +82,21 @@ class LandedParts:
         if entry.state != "clean":
             return None
         with self._mu:
-            for part in reversed(self._parts.values()):
-                if part.entry is entry and part.start <= start and end <= part.end:
-                    if part.etag != entry.etag:
-                        return None
-                    part.pins += 1
-                    return part
-        return None
+            part = self._find(entry, start, end)
+            if part is None or part.etag != entry.etag:
+                return None
+            part.pins += 1
+            return part
 
     def holds(self, entry: Entry, start: int, end: int) -> bool:
         with self._mu:
-            return any(
-                p.entry is entry and p.start <= start and end <= p.end for p in self._parts.values()
-            )
+            return self._find(entry, start, end) is not None
+
+    def _find(self, entry: Entry, start: int, end: int) -> _Part | None:
+        for part in reversed(self._parts.values()):
+            if part.entry is entry and part.start <= start and end <= part.end:
+                return part
+        return None
 
     def copy_out(self, part: _Part, start: int, end: int, out: memoryview) -> memoryview:
         """Copy [start, end) out of a pinned part into `out`; unpins it."""
