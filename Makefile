@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 DEB     := fuse3 libfuse3-dev pkg-config gcc
 PYTEST_ARGS ?=
 
-.PHONY: all demo test deps setup lint bench clean install uninstall
+.PHONY: all demo test deps peer-deps setup lint bench clean install uninstall
 
 # `make install` (as root): a self-contained venv under PREFIX, `tierfs` on the
 # PATH, the mount(8) helper, the systemd unit and an example config.
@@ -49,14 +49,29 @@ test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Read-path benchmarks (root: they drop the page cache); JSON lands in bench/results/.
+# PEERS=1 also installs rclone and s3fs (Debian packages) and measures them (--peers).
 BENCH_RUNS ?= 3
 BENCH_SIZE ?= 1G
-bench: setup
+PEERS   ?=
+PEER_DEB := rclone s3fs
+BENCH_ARGS = --size $(BENCH_SIZE) --runs $(BENCH_RUNS) $(if $(PEERS),--peers)
+bench: setup $(if $(PEERS),peer-deps)
 	$(PY) -m pip install -q -e '.[bench]'
-	$(PY) bench/seqread.py --size $(BENCH_SIZE) --runs $(BENCH_RUNS)
-	$(PY) bench/randread.py --size $(BENCH_SIZE) --runs $(BENCH_RUNS)
-	$(PY) bench/herd.py --size $(BENCH_SIZE) --runs $(BENCH_RUNS)
-	$(PY) bench/modelload.py --size 1G --runs $(BENCH_RUNS)
+	$(PY) bench/seqread.py $(BENCH_ARGS)
+	$(PY) bench/randread.py $(BENCH_ARGS)
+	$(PY) bench/herd.py $(BENCH_ARGS)
+	$(PY) bench/modelload.py --size 1G --runs $(BENCH_RUNS) $(if $(PEERS),--peers)
+
+# After deps: s3fs depends on `fuse`, which fuse3 provides; installed first, fuse3 stays.
+peer-deps: deps
+	@missing=""; \
+	for p in $(PEER_DEB); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing </dev/null; \
+	fi
 
 lint: setup
 	$(VENV)/bin/ruff check tierfs tests bench scripts

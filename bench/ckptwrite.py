@@ -4,16 +4,20 @@
     - time for dd to return               vs the same dd to a local disk file
     - time until the object is in the bucket (HEAD size matches, polled)
                                           vs raw boto3 upload_file of the same file
-Same run, same file; medians of --runs.
+Same run, same file; medians of --runs. With --peers, the same dd into each
+installed peer (bench/peers.py, one mount for all runs like tierfs's) and the same
+HEAD poll of the bucket.
 
-Usage: python bench/ckptwrite.py [--size 1G] [--runs 3]
+Usage: python bench/ckptwrite.py [--size 1G] [--runs 3] [--peers]
 """
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
 
+import peers
 from common import Bench, drop_caches, mbps, median, parse_args, report, write_random_file
 
 from tests.support.mount import run_tierfs
@@ -26,14 +30,31 @@ def dd(src: str, dst: str) -> float:
     return time.perf_counter() - t
 
 
+def wait_in_bucket(b: Bench, key: str, size: int, timeout: float = 600) -> None:
+    """Poll HEAD like another node would, until the whole object is there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if b.client.head_object(Bucket="bench", Key=key)["ContentLength"] == size:
+                return
+        except b.client.exceptions.ClientError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{key} not in the bucket after {timeout:.0f}s")
+        time.sleep(0.01)
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0], 1 << 30, 3)
-    with Bench(args, "ckptwrite") as b:
+    with Bench(args, "ckptwrite") as b, contextlib.ExitStack() as stack:
         src = b.work / "src.pt"
         write_random_file(src, args.size)
+        others = peers.select(b)
         t: dict[str, list[float]] = {k: [] for k in (
-            "local_dd", "tierfs_dd", "tierfs_in_bucket", "boto3_upload", "tierfs_flush_total")}
+            "local_dd", "tierfs_dd", "tierfs_in_bucket", "boto3_upload", "tierfs_flush_total",
+            *(f"{p.name}_{s}" for p in others for s in ("dd", "in_bucket")))}
         m = b.mount()
+        pms = [stack.enter_context(peers.mount(b, p)) for p in others]
         for run in range(args.runs):
             local = b.work / f"local-{run}.pt"
             drop_caches()
@@ -51,23 +72,38 @@ def main() -> None:
             (m.mountpoint / f"ckpt/step-{run}").mkdir(parents=True)
             start = time.perf_counter()
             t["tierfs_dd"].append(dd(str(src), str(m.mountpoint / key)))
-            while True:  # poll the bucket like another node would
-                try:
-                    if b.client.head_object(Bucket="bench", Key=key)["ContentLength"] == args.size:
-                        break
-                except b.client.exceptions.ClientError:
-                    pass
-                time.sleep(0.01)
+            wait_in_bucket(b, key, args.size)
             t["tierfs_in_bucket"].append(time.perf_counter() - start)
             res = run_tierfs("flush", str(m.mountpoint), env=b.env, timeout=600)
             assert res.returncode == 0, res.stderr
             t["tierfs_flush_total"].append(time.perf_counter() - start)
+
+            for pm in pms:
+                drop_caches()
+                key = f"{pm.name}/step-{run}/model.pt"
+                (pm.mountpoint / f"{pm.name}/step-{run}").mkdir(parents=True)
+                start = time.perf_counter()
+                t[f"{pm.name}_dd"].append(dd(str(src), str(pm.mountpoint / key)))
+                wait_in_bucket(b, key, args.size)
+                t[f"{pm.name}_in_bucket"].append(time.perf_counter() - start)
         med = {k: median(v) for k, v in t.items()}
         size = args.size
-        b.result.update({"seconds": t, "median_seconds": med,
-                         "ratios": {"dd_return_vs_local": med["tierfs_dd"] / med["local_dd"],
-                                    "in_bucket_vs_boto3": med["tierfs_in_bucket"] / med["boto3_upload"]}})
+        ratios = {"dd_return_vs_local": med["tierfs_dd"] / med["local_dd"],
+                  "in_bucket_vs_boto3": med["tierfs_in_bucket"] / med["boto3_upload"]}
+        for p in others:
+            ratios[f"dd_return_vs_{p.name}"] = med["tierfs_dd"] / med[f"{p.name}_dd"]
+            ratios[f"in_bucket_vs_{p.name}"] = med["tierfs_in_bucket"] / med[f"{p.name}_in_bucket"]
+        b.result.update({"seconds": t, "median_seconds": med, "ratios": ratios})
         print(f"ckptwrite: {size >> 20} MiB, {args.runs} runs (medians)")
+        peer_rows = []  # time ratios: below 1, tierfs is faster
+        for p in others:
+            dd_s, in_s = med[f"{p.name}_dd"], med[f"{p.name}_in_bucket"]
+            peer_rows += [
+                (f"{p.name} dd returns", f"{dd_s:.2f}s  {mbps(size, dd_s):.0f} MB/s"
+                 f"  tierfs = {ratios[f'dd_return_vs_{p.name}']:.2f}x {p.name}"),
+                (f"{p.name} in bucket", f"{in_s:.2f}s after dd started"
+                 f"  tierfs = {ratios[f'in_bucket_vs_{p.name}']:.2f}x {p.name}"),
+            ]
         report([
             ("local dd conv=fsync", f"{med['local_dd']:.2f}s  {mbps(size, med['local_dd']):.0f} MB/s"),
             ("tierfs dd returns", f"{med['tierfs_dd']:.2f}s  {mbps(size, med['tierfs_dd']):.0f} MB/s"
@@ -75,6 +111,7 @@ def main() -> None:
             ("boto3 upload_file", f"{med['boto3_upload']:.2f}s  {mbps(size, med['boto3_upload']):.0f} MB/s"),
             ("tierfs in bucket", f"{med['tierfs_in_bucket']:.2f}s after dd started"
              f"  = {med['tierfs_in_bucket'] / med['boto3_upload']:.2f}x boto3 (target <= 1.2x)"),
+            *peer_rows,
         ])
         b.save()
 

@@ -4,7 +4,10 @@ Reports wall time of the herd vs one reader (each on a fresh mount with an empty
 tier 1, page cache dropped), bytes fetched from the store vs the object size
 (single-flight), and the daemon's peak RSS sampled every 50 ms.
 
-Usage: python bench/herd.py [--size 2G] [--runs 3] [--procs 8]
+With --peers, each installed peer (bench/peers.py) too: the same one reader and
+herd, each on a fresh mount with an empty disk cache, and the peer's peak RSS.
+
+Usage: python bench/herd.py [--size 2G] [--runs 3] [--procs 8] [--peers]
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import multiprocessing as mp
 import threading
 import time
 
+import peers
 from common import Bench, MiB, drop_caches, median, parse_args, read_seq, report, write_random_file
 
 KEY = "herd/shard-000.tar"
@@ -78,9 +82,13 @@ def main() -> None:
         write_random_file(local, args.size)
         b.seed(KEY, local)
         local.unlink()
+        others = peers.select(b)
         res: dict[str, list[float]] = {k: [] for k in (
             "one_reader_s", "herd_s", "herd_vs_one", "one_store_bytes_vs_size",
-            "herd_store_bytes_vs_size", "herd_peak_rss_mib", "one_peak_rss_mib")}
+            "herd_store_bytes_vs_size", "herd_peak_rss_mib", "one_peak_rss_mib",
+            *(f"{p.name}_{s}" for p in others
+              for s in ("one_reader_s", "herd_s", "herd_vs_one", "one_reader_peak_rss_mib",
+                        "herd_peak_rss_mib")))}
         for run in range(args.runs):
             for label, procs in (("one", 1), ("herd", args.procs)):
                 m = b.mount()
@@ -94,6 +102,17 @@ def main() -> None:
                 res[f"{label}_peak_rss_mib"].append(rss.peak / MiB)
                 b.unmount(m)
             res["herd_vs_one"].append(res["herd_s"][-1] / res["one_reader_s"][-1])
+            for p in others:
+                for label, procs in (("one_reader", 1), ("herd", args.procs)):
+                    with peers.mount(b, p) as pm:
+                        drop_caches()
+                        with RssSampler(pm.pid) as rss:
+                            wall, sizes = herd(str(pm.mountpoint / KEY), procs)
+                        assert all(n == args.size for n in sizes), (p.name, sizes)
+                        res[f"{p.name}_{label}_s"].append(wall)
+                        res[f"{p.name}_{label}_peak_rss_mib"].append(rss.peak / MiB)
+                res[f"{p.name}_herd_vs_one"].append(res[f"{p.name}_herd_s"][-1]
+                                                     / res[f"{p.name}_one_reader_s"][-1])
             print(f"run {run}: " + ", ".join(f"{k}={v[-1]:.2f}" for k, v in res.items()))
         med = {k: median(v) for k, v in res.items()}
         b.result.update(procs=args.procs, medians=med, raw=res)

@@ -6,7 +6,11 @@
 The reader calls posix_fadvise(POSIX_FADV_RANDOM), as random-access loaders do,
 so the kernel sends each 4 KiB pread as it is instead of widening it.
 
-Usage: python bench/randread.py [--size 2G] [--runs 3] [--reads 2000]
+With --peers, each installed peer (bench/peers.py) too, same offsets and reader:
+reads/s cold (fresh mount, empty disk cache) and warm (disk cache kept), and the
+bytes its disk cache holds afterwards vs requested (what it fetched and kept).
+
+Usage: python bench/randread.py [--size 2G] [--runs 3] [--reads 2000] [--peers]
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import random
 import time
 
+import peers
 from common import Bench, MiB, drop_caches, median, parse_args, report, write_random_file
 
 KEY = "rand/records-000.tar"
@@ -43,9 +48,12 @@ def main() -> None:
         write_random_file(local, args.size)
         b.seed(KEY, local)
         requested = args.reads * IO
+        others = peers.select(b)
         res: dict[str, list[float]] = {k: [] for k in (
             "tierfs_cold_rps", "tierfs_warm_rps", "boto3_rps", "local_cold_rps",
-            "cold_fetched_vs_requested", "warm_fetched_bytes", "nofadvise_fetched_vs_requested")}
+            "cold_fetched_vs_requested", "warm_fetched_bytes", "nofadvise_fetched_vs_requested",
+            *(f"{p.name}_{s}" for p in others
+              for s in ("cold_rps", "warm_rps", "cached_vs_requested")))}
         for run in range(args.runs):
             rng = random.Random(run)
             offsets = [rng.randrange(0, args.size // IO) * IO for _ in range(args.reads)]
@@ -71,6 +79,14 @@ def main() -> None:
             preads(m.mountpoint / KEY, offsets[:500], False)
             res["nofadvise_fetched_vs_requested"].append(b.store_get_bytes(m) / (500 * IO))
             b.unmount(m)
+            for p in others:
+                with peers.mount(b, p) as pm:
+                    drop_caches()
+                    res[f"{p.name}_cold_rps"].append(args.reads / preads(pm.mountpoint / KEY, offsets, True))
+                    drop_caches()
+                    res[f"{p.name}_warm_rps"].append(args.reads / preads(pm.mountpoint / KEY, offsets, True))
+                    pm.stop()  # let background downloads end before counting the cache
+                    res[f"{p.name}_cached_vs_requested"].append(pm.cached_bytes() / requested)
             print(f"run {run}: " + ", ".join(f"{k}={v[-1]:.1f}" for k, v in res.items()))
         med = {k: median(v) for k, v in res.items()}
         ratios = {
@@ -78,6 +94,9 @@ def main() -> None:
             "warm_rps_vs_local_cold": med["tierfs_warm_rps"] / med["local_cold_rps"],
             "cold_fetched_vs_requested": med["cold_fetched_vs_requested"],
         }
+        for p in others:
+            ratios[f"cold_rps_vs_{p.name}"] = med["tierfs_cold_rps"] / med[f"{p.name}_cold_rps"]
+            ratios[f"warm_rps_vs_{p.name}"] = med["tierfs_warm_rps"] / med[f"{p.name}_warm_rps"]
         b.result.update(reads=args.reads, io_size=IO, medians=med, raw=res, ratios=ratios)
         print(f"randread {args.reads} x 4 KiB over {args.size / MiB:.0f} MiB, median of {args.runs} runs:")
         report([(k, f"{v:10.1f}") for k, v in med.items()])

@@ -4,13 +4,17 @@
   warm: tier 1 kept, page cache dropped       vs a pyfuse3 passthrough of a local dir (same state)
   hot:  page cache kept (keep_cache)          vs the local file from the page cache
 
-Usage: python bench/seqread.py [--size 2G] [--runs 3] [--profile]
+With --peers, each installed peer (bench/peers.py) too: cold (fresh mount, empty
+disk cache, page cache dropped) and warm (its disk cache kept, page cache dropped).
+
+Usage: python bench/seqread.py [--size 2G] [--runs 3] [--profile] [--peers]
 """
 
 from __future__ import annotations
 
 import os
 
+import peers
 from common import (
     Bench,
     MiB,
@@ -40,9 +44,11 @@ def main() -> None:
         write_random_file(local, args.size)
         b.seed(KEY, local)
         size = args.size
+        others = peers.select(b)
         t: dict[str, list[float]] = {k: [] for k in (
             "local_cold", "local_hot", "boto3_1", "boto3_8", "tierfs_cold", "tierfs_warm",
-            "tierfs_hot", "passthrough_warm", "passthrough_hot")}
+            "tierfs_hot", "passthrough_warm", "passthrough_hot",
+            *(f"{p.name}_{s}" for p in others for s in ("cold", "warm")))}
         store_bytes: list[float] = []
         req_sizes: list[float] = []
         for run in range(args.runs):
@@ -69,6 +75,14 @@ def main() -> None:
                 drop_caches()
                 t["passthrough_warm"].append(read_seq(pt / local.name)[0])
                 t["passthrough_hot"].append(read_seq(pt / local.name)[0])
+            for p in others:
+                with peers.mount(b, p) as pm:
+                    drop_caches()
+                    secs, n = read_seq(pm.mountpoint / KEY)
+                    assert n == size, (p.name, n, size)
+                    t[f"{p.name}_cold"].append(secs)
+                    drop_caches()
+                    t[f"{p.name}_warm"].append(read_seq(pm.mountpoint / KEY)[0])
             print(f"run {run}: " + ", ".join(f"{k}={mbps(size, v[-1]):.0f}" for k, v in t.items()) + " MB/s")
         med = {k: mbps(size, median(v)) for k, v in t.items()}
         ratios = {
@@ -78,6 +92,9 @@ def main() -> None:
             "hot_vs_local_page_cache": med["tierfs_hot"] / med["local_hot"],
             "store_bytes_vs_size": median(store_bytes) / size,
         }
+        for p in others:
+            for s in ("cold", "warm"):
+                ratios[f"tierfs_{s}_vs_{p.name}_{s}"] = med[f"tierfs_{s}"] / med[f"{p.name}_{s}"]
         b.result.update(mb_per_s_median=med, seconds=t, ratios=ratios,
                         store_get_bytes=store_bytes, avg_fuse_read_bytes=median(req_sizes))
         print(f"seqread {size / MiB:.0f} MiB, median of {args.runs} runs (MB/s):")
