@@ -1,15 +1,15 @@
-"""O_DIRECT I/O on tier-1 files: aligned buffers and the aligned pread/pwrite.
+"""O_DIRECT writes to tier-1 files: aligned buffers and the aligned pwrite.
 
 Why: the kernel already keeps a page-cache copy of every byte read through
 the mount (the FUSE inode's pages, `keep_cache`). Filling tier 1 through the
 page cache made a second copy of each byte, and on the 2-core bench VM that
 fill was the most expensive step of a cold read: a buffered 1 GiB pwrite of
 fetched parts cost ~1.0-1.6 s of CPU (fresh page allocation and later
-writeback), the same write with O_DIRECT ~0.05 s; reading it back buffered
-~0.7-0.95 s, with O_DIRECT ~0.05 s (1 GiB in 8 MiB pwrite/preadv calls after
-drop_caches, CPU time from os.times()). So fetched chunks go to tier 1 and come back out of it through
-O_DIRECT whenever offset, length and memory are aligned, and only unaligned
-tails (the end of an object) use the page cache.
+writeback), the same write with O_DIRECT ~0.05 s. So fetched chunks go to
+tier 1 through O_DIRECT whenever offset, length and memory are aligned, and
+only unaligned tails (the end of an object) use the page cache. Reads of
+tier 1 stay buffered (see `Entry.read_into`): O_DIRECT reads were cheaper in
+CPU but left the device idle between requests, halving warm throughput.
 
 O_DIRECT wants the file offset, the length and the buffer address aligned to
 the device's logical block size; ALIGN (4 KiB) covers every common device.
@@ -62,19 +62,6 @@ def pwrite_direct(dfd: int, fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
     if data:
         pwrite_all(fd, data, offset)
-
-
-def pread_direct(dfd: int, buf: memoryview, offset: int) -> int:
-    """Fill `buf` (aligned, length a multiple of ALIGN) from `offset` (aligned)
-    through `dfd`; fewer bytes only at EOF (a short read ends the loop: the next
-    offset would not be aligned)."""
-    got = 0
-    while got < len(buf):
-        n = os.preadv(dfd, [buf[got:]], offset + got)
-        got += n
-        if not n or got % ALIGN:
-            break
-    return got
 
 
 class BufferPool:
