@@ -48,6 +48,7 @@ from pathlib import Path
 from common import BUCKET, Bench
 
 from tests.support.mount import is_mounted
+from tierfs.daemon import set_kernel_readahead
 
 MOUNT_TIMEOUT = 30.0
 _seq = itertools.count(1)
@@ -182,8 +183,7 @@ def mount(b: Bench, peer: Peer) -> Iterator[PeerMount]:
                 raise RuntimeError(f"{peer.name} did not mount {mnt} within {MOUNT_TIMEOUT:.0f}s:\n"
                                    f"{pm.log_tail()}")
             time.sleep(0.05)
-        dev = os.stat(mnt).st_dev
-        Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").write_text("1024")
+        set_kernel_readahead(mnt, 1024)
         yield pm
     finally:
         pm.stop()
