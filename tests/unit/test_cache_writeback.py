@@ -3,6 +3,7 @@ a clean cached object, rename/remove, and recovery of a dirty file after a crash
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -312,3 +313,34 @@ def test_going_dirty_waits_for_stores_in_flight(
     assert e.read(0, 4) == b"newo"
     c.release(e)
     c.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs")
+def test_index_commits_on_a_full_disk(tmp_path: Path) -> None:
+    """A writer fills the cache disk; sealing, marking landed and evicting its file
+    still commit (they are what frees the disk), from the index's held reserve."""
+    root = tmp_path / "small"
+    root.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(root)], check=True)
+    try:
+        c = new_cache(root / "c", chunk_size=64 << 10)
+        e = c.open("ckpt/huge.pt", "", 0, 0.0)
+        off, piece = 0, os.urandom(64 << 10)
+        with pytest.raises(OSError) as full:
+            while True:
+                off += e.write(off, piece)
+        assert full.value.errno == errno.ENOSPC
+        assert os.statvfs(root).f_bavail < 16  # the disk really is full
+        for i in range(200):  # more index work than a few pages' worth
+            e.set_state("sealed", mtime=float(i))
+            e.set_state("clean", etag=f"etag-{i}")
+            e.write(0, b"x")  # dirty again: a chunk checksum record per round
+        e.set_state("sealed", mtime=1.0)
+        e.set_state("clean", etag="landed")
+        c.release(e)
+        assert c.lookup("ckpt/huge.pt").state == "clean"
+        assert c.evict("ckpt/huge.pt") is True
+        assert os.statvfs(root).f_bavail > 1000  # the space came back
+        c.close()
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=False)

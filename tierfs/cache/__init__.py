@@ -43,7 +43,8 @@ from tierfs.cache.index import (
     key_hash,
     order_key,
 )
-from tierfs.cache.objects import ChunkCorrupt, Entry, nchunks, punch_hole
+from tierfs.cache.objects import ChunkCorrupt, Entry, nchunks
+from tierfs.cache.space import punch_hole
 
 FREE_RECHECK = 0.5  # seconds between statvfs calls of the free-space floor
 FREE_RECHECK_BYTES = 64 << 20  # ...or sooner, after this much growth of our own

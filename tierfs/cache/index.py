@@ -17,11 +17,16 @@ every chunk is checksummed, so a record that outlived its data after a power
 loss is caught on first read. State changes that must survive (sealing a
 write-back file) call `Index.sync()`. No `writemap`: with a shared writable map
 a full disk arrives as SIGBUS instead of ENOSPC.
+
+The data file keeps RESERVE bytes allocated past its end (`hold`): when writers
+have filled the cache disk, the commits that give space back (an upload marked
+landed, an eviction) still have pages to grow into.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import struct
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -30,6 +35,8 @@ from pathlib import Path
 
 import lmdb
 import xxhash
+
+from tierfs.cache.space import hold
 
 FORMAT_VERSION = 1
 CLEAN, DIRTY, SEALED = 0, 1, 2
@@ -41,6 +48,7 @@ ABSENT, STORED, VERIFIED, WRITTEN = 0, 1, 2, 3
 
 _HDR = struct.Struct("<16sQQdQQBBHH")
 _I64 = struct.Struct("<q")
+RESERVE = 8 << 20  # bytes held past the end of data.mdb for the index to grow into
 
 
 def key_hash(key: str) -> bytes:
@@ -217,10 +225,28 @@ class Index:
         self.chunks = self.env.open_db(b"chunks")
         self.order = self.env.open_db(b"order")
         self.meta = self.env.open_db(b"meta")
+        self._data_fd = os.open(path / "data.mdb", os.O_RDWR | os.O_CLOEXEC)
+        self._can_hold = True
+        self._hold_reserve()
 
     def close(self) -> None:
         self.env.sync(True)
         self.env.close()
+        os.close(self._data_fd)
+
+    def _hold_reserve(self) -> None:
+        """Top the space held past the data file's end back up to RESERVE once half
+        of it is used. One fstat per commit; on a full disk what is left is used."""
+        if not self._can_hold:
+            return
+        st = os.fstat(self._data_fd)
+        if st.st_blocks * 512 - st.st_size >= RESERVE // 2:
+            return
+        try:
+            hold(self._data_fd, st.st_size, RESERVE)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+                self._can_hold = False  # e.g. ZFS: the index grows as plain LMDB does
 
     def sync(self) -> None:
         """Make every committed transaction durable (journal-grade state changes)."""
@@ -236,6 +262,7 @@ class Index:
         try:
             with self.env.begin(write=True) as txn:
                 yield WriteTxn(self, txn)
+            self._hold_reserve()
         except (lmdb.DiskError, lmdb.MapFullError) as e:
             raise OSError(errno.ENOSPC, f"cache index: {e}") from e
         except lmdb.Error as e:

@@ -14,7 +14,6 @@ Entry._mu, then an LMDB write transaction, then Cache._lock (a leaf).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import threading
@@ -44,6 +43,7 @@ from tierfs.cache.index import (
     Record,
     WriteTxn,
 )
+from tierfs.cache.space import punch_hole
 
 if TYPE_CHECKING:
     from tierfs.cache import Cache
@@ -59,22 +59,10 @@ class ChunkCorrupt(Exception):
         self.chunks = chunks
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_fallocate = _libc.fallocate
-_fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
-
 _ABSENT_RUN = re.compile(bytes((ABSENT,)) + b"+")
 _CHECKSUMMED = (STORED, VERIFIED)
 PAGE = 4096  # granularity of `store_pages` (small random reads)
 PAGE_STASH_OBJECTS = 4096  # closed objects whose fetched pages are remembered
-
-
-def punch_hole(fd: int, offset: int, length: int) -> None:
-    """Free a byte range of a file; it reads back as zeros and the size stays."""
-    if length > 0 and _fallocate(fd, _PUNCH_HOLE, offset, length) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
 
 
 def _pread(fd: int, length: int, offset: int) -> bytes:
