@@ -367,8 +367,11 @@ class WriteBack:
         return info
 
     def _rekey_cached(self, old: str, new: str, info: ObjectInfo) -> None:
-        """Cached bytes of a server-side copy stay valid: move them under the copy's ETag."""
+        """Cached bytes of a server-side copy stay valid: move them under the copy's ETag.
+        What the cache held for `new` is void either way: a sealed record left there
+        by a cancelled upload would otherwise be uploaded again over the copy."""
         if not self.cache.rename(old, new):
+            self.cache.remove(new)
             return
         entry = self.cache.open_existing(new)
         if entry is None:

@@ -188,6 +188,25 @@ def test_kill9_mid_upload_then_remount_and_flush(
     assert obj(s3_server, bucket, "big.pt") == payload
 
 
+def test_rename_of_a_stored_file_over_a_pending_one(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
+) -> None:
+    """`new.pt` is still uploading when a never-cached `old.pt` is renamed over it:
+    the rename wins, now and after a remount (the dropped upload must not come back)."""
+    s3_server.client().put_object(Bucket=bucket, Key="old.pt", Body=b"the renamed bytes")
+    cache = tmp_path / "cache-rn"
+    m = mount_factory(f"s3://{bucket}", cache_dir=cache)
+    (m.mountpoint / "new.pt").write_bytes(os.urandom(96 * MiB))
+    os.replace(m.mountpoint / "old.pt", m.mountpoint / "new.pt")
+    assert (m.mountpoint / "new.pt").read_bytes() == b"the renamed bytes"
+    m.umount()
+    m = mount_factory(f"s3://{bucket}", cache_dir=cache, mountpoint=m.mountpoint)
+    flush(m)
+    assert (m.mountpoint / "new.pt").read_bytes() == b"the renamed bytes"
+    assert obj(s3_server, bucket, "new.pt") == b"the renamed bytes"
+    assert keys(s3_server, bucket) == ["new.pt"]
+
+
 def test_writer_killed_before_close_is_quarantined(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
 ) -> None:
