@@ -306,9 +306,13 @@ class WriteBack:
         return lf
 
     async def _move_local(self, old: str, new: str) -> bool:
-        """Rename a local file: a journal update, no store request. True if `old` was local."""
+        """Rename a local file: a journal update, no store request. False if `old` is
+        not local, or its upload landed while being stopped: it is a stored object
+        then, and only a store-side copy puts it under `new`."""
         lf = await self._drop_local(old)
         if lf is None:
+            return False
+        if lf.sealed_at is not None and await self.workers.disk(self._is_clean, old):
             return False
         await self._drop_local(new)
         await self.workers.disk(self.cache.rename, old, new)
@@ -316,6 +320,10 @@ class WriteBack:
         if moved.sealed_at is not None:
             self._send.send_nowait(new)
         return True
+
+    def _is_clean(self, key: str) -> bool:
+        obj = self.cache.lookup(key)
+        return obj is not None and obj.state == "clean"
 
     # -- namespace changes that reach the store ---------------------------------
 
@@ -385,9 +393,10 @@ class WriteBack:
     async def rename_tree(self, old: str, new: str) -> list[ObjectInfo]:
         """Directory rename (`old`, `new` are 'a/b/' prefixes): every object below is
         moved one by one (S3 has no atomic rename); markers keep empty dirs."""
-        moved = [k for k in self.local if k.startswith(old)]
-        for key in moved:
-            await self._move_local(key, new + key[len(old):])
+        moved = set()
+        for key in [k for k in self.local if k.startswith(old)]:
+            if await self._move_local(key, new + key[len(old):]):
+                moved.add(key)
         keys, dirs = await self._walk(old)
         copied = []
         for key in keys:

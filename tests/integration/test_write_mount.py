@@ -207,6 +207,24 @@ def test_rename_of_a_stored_file_over_a_pending_one(
     assert keys(s3_server, bucket) == ["new.pt"]
 
 
+def test_rename_while_the_upload_lands(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
+) -> None:
+    """torch.save(tmp) + os.replace(tmp, final), back to back: the rename often finds
+    tmp's upload in flight and it lands meanwhile. Every final name must land."""
+    m = mount_factory(f"s3://{bucket}", cache_dir=tmp_path / "cache-rl")
+    want = {}
+    for i in range(24):
+        data = os.urandom((2 + i % 3) * MiB)
+        (m.mountpoint / "tmp.pt").write_bytes(data)
+        os.replace(m.mountpoint / "tmp.pt", m.mountpoint / f"step-{i}.pt")
+        want[f"step-{i}.pt"] = data
+    flush(m)
+    assert keys(s3_server, bucket) == sorted(want)
+    for key, data in want.items():
+        assert obj(s3_server, bucket, key) == data, key
+
+
 def test_writer_killed_before_close_is_quarantined(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
 ) -> None:
