@@ -43,7 +43,7 @@ from tierfs.cache.index import (
     Record,
     WriteTxn,
 )
-from tierfs.cache.space import punch_hole
+from tierfs.cache.space import punch_hole, start_writeback
 
 if TYPE_CHECKING:
     from tierfs.cache import Cache
@@ -61,6 +61,7 @@ class ChunkCorrupt(Exception):
 
 _ABSENT_RUN = re.compile(bytes((ABSENT,)) + b"+")
 _CHECKSUMMED = (STORED, VERIFIED)
+WRITE_BEHIND = 16 << 20  # dirty bytes behind a writer before their writeback starts
 PAGE = 4096  # granularity of `store_pages` (small random reads)
 PAGE_STASH_OBJECTS = 4096  # closed objects whose fetched pages are remembered
 
@@ -150,6 +151,7 @@ class Entry:
         self._access_ns = rec.access_ns if touch_ns is None else touch_ns
         self._sums: dict[int, bytes] = {}  # dirty: digests of chunks rewritten whole
         self._hashers: dict[int, tuple[xxhash.xxh3_64, int]] = {}  # dirty: chunk -> (hash, bytes)
+        self._behind = 0  # dirty: writeback started for [0, _behind) (see write)
         # Absent chunk -> bitmask of its PAGE-sized pages fetched by small random reads
         # (`store_pages`). Memory only: not checksummed, not persisted, not counted in
         # `cached`; gone at the last release or once the whole chunk is stored.
@@ -509,6 +511,13 @@ class Entry:
                 self._hash(offset, mv)
                 if grew:
                     self._resize(offset + len(mv))
+                start, end = self._behind, (offset + len(mv)) & ~(PAGE - 1)
+                if end - start >= WRITE_BEHIND:
+                    self._behind = end
+        if mv and end - start >= WRITE_BEHIND:
+            # Write-behind: the device writes what the writer left behind while it
+            # goes on, so sealing (fsync at close) waits only for the tail.
+            start_writeback(self._fd, start, end - start)
         if grew and mv:
             self._cache._make_room(None)
         return len(mv)
@@ -524,6 +533,7 @@ class Entry:
             grew = size > self.size
             os.ftruncate(self._fd, size)
             self._resize(size)
+            self._behind = min(self._behind, size & ~(PAGE - 1))
         if grew:
             self._cache._make_room(None)
 
