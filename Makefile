@@ -22,17 +22,11 @@ all: test
 
 # Debian packages (pyfuse3 builds against libfuse3; fusermount3 unmounts).
 deps:
-	@missing=""; \
-	for p in $(DEB); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
-	python3 -c 'import ensurepip' 2>/dev/null || missing="$$missing python3-venv"; \
+	@extra=""; \
+	python3 -c 'import ensurepip' 2>/dev/null || extra="python3-venv"; \
 	python3 -c 'import sysconfig,os,sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"],"Python.h")))' \
-	  || missing="$$missing python3-dev"; \
-	if [ -n "$$missing" ]; then \
-	  echo "installing Debian packages:$$missing"; \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing </dev/null; \
-	fi
+	  || extra="$$extra python3-dev"; \
+	sh scripts/apt-install.sh $(DEB) $$extra
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -48,7 +42,7 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# Read-path benchmarks (root: they drop the page cache); JSON lands in bench/results/.
+# Benchmarks (root: they drop the page cache); JSON lands in bench/results/.
 # PEERS=1 also installs rclone and s3fs (Debian packages) and measures them (--peers).
 BENCH_RUNS ?= 3
 BENCH_SIZE ?= 1G
@@ -60,18 +54,12 @@ bench: setup $(if $(PEERS),peer-deps)
 	$(PY) bench/seqread.py $(BENCH_ARGS)
 	$(PY) bench/randread.py $(BENCH_ARGS)
 	$(PY) bench/herd.py $(BENCH_ARGS)
+	$(PY) bench/ckptwrite.py $(BENCH_ARGS)
 	$(PY) bench/modelload.py --size 1G --runs $(BENCH_RUNS) $(if $(PEERS),--peers)
 
 # After deps: s3fs depends on `fuse`, which fuse3 provides; installed first, fuse3 stays.
 peer-deps: deps
-	@missing=""; \
-	for p in $(PEER_DEB); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then \
-	  echo "installing Debian packages:$$missing"; \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing </dev/null; \
-	fi
+	@sh scripts/apt-install.sh $(PEER_DEB)
 
 lint: setup
 	$(VENV)/bin/ruff check tierfs tests bench scripts
