@@ -152,6 +152,11 @@ class WriteBack:
                 await self._upload_once(key, lf)
                 return
             except UploadCancelled:
+                if self.local.get(key) is lf and lf.sealed_at is not None and not lf.writers:
+                    # No writer voided it, yet it stays pending: nothing would ever
+                    # upload it and flush would wait forever. Say so where it shows.
+                    lf.error = "pending, but its cache file is not sealed: not uploadable"
+                    log.error("upload of %r refused: %s (a bug; please report)", key, lf.error)
                 return
             except (StoreError, OSError, ValueError) as exc:
                 attempt += 1

@@ -14,6 +14,7 @@ Entry._mu, then an LMDB write transaction, then Cache._lock (a leaf).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -492,6 +493,7 @@ class Entry:
         mv = memoryview(data).cast("B")
         if offset < 0:
             raise ValueError(f"write at negative offset {offset}")
+        behind: tuple[int, int] | None = None  # a range to start writing back
         with self._mu:
             self._check_usable()
             self._make_dirty(self.size)
@@ -511,13 +513,17 @@ class Entry:
                 self._hash(offset, mv)
                 if grew:
                     self._resize(offset + len(mv))
-                start, end = self._behind, (offset + len(mv)) & ~(PAGE - 1)
-                if end - start >= WRITE_BEHIND:
-                    self._behind = end
-        if mv and end - start >= WRITE_BEHIND:
+                behind = self._behind, (offset + len(mv)) & ~(PAGE - 1)
+                if behind[1] - behind[0] >= WRITE_BEHIND:
+                    self._behind = behind[1]
+                else:
+                    behind = None
+        if behind is not None:
             # Write-behind: the device writes what the writer left behind while it
-            # goes on, so sealing (fsync at close) waits only for the tail.
-            start_writeback(self._fd, start, end - start)
+            # goes on, so sealing (fsync at close) waits only for the tail. Only
+            # an optimization: the fsync at sealing reports any device error.
+            with contextlib.suppress(OSError):
+                start_writeback(self._fd, behind[0], behind[1] - behind[0])
         if grew and mv:
             self._cache._make_room(None)
         return len(mv)
