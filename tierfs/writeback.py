@@ -312,12 +312,13 @@ class WriteBack:
 
     async def _move_local(self, old: str, new: str) -> bool:
         """Rename a local file: a journal update, no store request. False if `old` is
-        not local, or its upload landed while being stopped: it is a stored object
-        then, and only a store-side copy puts it under `new`."""
+        not local, or its cache record is clean: a file opened for writing but not
+        written yet, or one whose upload landed while being stopped, is a stored
+        object, and only a store-side copy puts its bytes under `new`."""
         lf = await self._drop_local(old)
         if lf is None:
             return False
-        if lf.sealed_at is not None and await self.workers.disk(self._is_clean, old):
+        if await self.workers.disk(self._is_clean, old):
             return False
         await self._drop_local(new)
         await self.workers.disk(self.cache.rename, old, new)

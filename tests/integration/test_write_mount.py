@@ -225,6 +225,22 @@ def test_rename_while_the_upload_lands(
         assert obj(s3_server, bucket, key) == data, key
 
 
+def test_rename_of_a_file_open_for_writing(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
+) -> None:
+    """A stored file open for writing but not yet written is renamed: its bytes
+    follow the new name (they are only in the store, not local)."""
+    s3_server.client().put_object(Bucket=bucket, Key="x.pt", Body=b"stored bytes")
+    m = mount_factory(f"s3://{bucket}", cache_dir=tmp_path / "cache-ow")
+    with open(m.mountpoint / "x.pt", "r+b") as f:
+        assert f.read() == b"stored bytes"
+        os.replace(m.mountpoint / "x.pt", m.mountpoint / "y.pt")
+    flush(m)
+    assert (m.mountpoint / "y.pt").read_bytes() == b"stored bytes"
+    assert keys(s3_server, bucket) == ["y.pt"]
+    assert obj(s3_server, bucket, "y.pt") == b"stored bytes"
+
+
 def test_writer_killed_before_close_is_quarantined(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
 ) -> None:
