@@ -1,7 +1,9 @@
 """Checkpoint write: how long the writer waits, and when the object is in the bucket.
 
   dd if=<local file> of=MNT/ckpt/step-N/model.pt bs=1M conv=fsync
-    - time for dd to return               vs the same dd to a local disk file
+    - time for dd to return               vs the same dd to a local disk file, and
+                                             into bench/passthrough.py --rw (the
+                                             ceiling of a pyfuse3 daemon's writes)
     - time until the object is in the bucket (HEAD size matches, polled)
                                           vs raw boto3 upload_file of the same file
 Same run, same file; medians of --runs. With --peers, the same dd into each
@@ -51,8 +53,12 @@ def main() -> None:
         write_random_file(src, args.size)
         others = peers.select(b)
         t: dict[str, list[float]] = {k: [] for k in (
-            "local_dd", "tierfs_dd", "tierfs_in_bucket", "boto3_upload", "tierfs_flush_total",
+            "local_dd", "passthrough_dd", "tierfs_dd", "tierfs_in_bucket", "boto3_upload",
+            "tierfs_flush_total",
             *(f"{p.name}_{s}" for p in others for s in ("dd", "in_bucket")))}
+        pt_dir = b.work / "passthrough-src"
+        pt_dir.mkdir()
+        pt = stack.enter_context(b.passthrough(pt_dir, rw=True))
         m = b.mount()
         pms = [stack.enter_context(peers.mount(b, p)) for p in others]
         for run in range(args.runs):
@@ -60,6 +66,10 @@ def main() -> None:
             drop_caches()
             t["local_dd"].append(dd(str(src), str(local)))
             local.unlink()
+
+            drop_caches()
+            t["passthrough_dd"].append(dd(str(src), str(pt / f"pt-{run}.pt")))
+            (pt_dir / f"pt-{run}.pt").unlink()
 
             drop_caches()
             key = f"ref/step-{run}/model.pt"
@@ -89,6 +99,7 @@ def main() -> None:
         med = {k: median(v) for k, v in t.items()}
         size = args.size
         ratios = {"dd_return_vs_local": med["tierfs_dd"] / med["local_dd"],
+                  "dd_return_vs_passthrough": med["tierfs_dd"] / med["passthrough_dd"],
                   "in_bucket_vs_boto3": med["tierfs_in_bucket"] / med["boto3_upload"]}
         for p in others:
             ratios[f"dd_return_vs_{p.name}"] = med["tierfs_dd"] / med[f"{p.name}_dd"]
@@ -106,8 +117,11 @@ def main() -> None:
             ]
         report([
             ("local dd conv=fsync", f"{med['local_dd']:.2f}s  {mbps(size, med['local_dd']):.0f} MB/s"),
+            ("pyfuse3 passthrough dd", f"{med['passthrough_dd']:.2f}s  "
+             f"{mbps(size, med['passthrough_dd']):.0f} MB/s  (bench/passthrough.py --rw)"),
             ("tierfs dd returns", f"{med['tierfs_dd']:.2f}s  {mbps(size, med['tierfs_dd']):.0f} MB/s"
-             f"  = {med['tierfs_dd'] / med['local_dd']:.2f}x local (target <= 1.5x)"),
+             f"  = {med['tierfs_dd'] / med['local_dd']:.2f}x local (target <= 1.5x),"
+             f" {ratios['dd_return_vs_passthrough']:.2f}x passthrough"),
             ("boto3 upload_file", f"{med['boto3_upload']:.2f}s  {mbps(size, med['boto3_upload']):.0f} MB/s"),
             ("tierfs in bucket", f"{med['tierfs_in_bucket']:.2f}s after dd started"
              f"  = {med['tierfs_in_bucket'] / med['boto3_upload']:.2f}x boto3 (target <= 1.2x)"),

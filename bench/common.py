@@ -178,11 +178,11 @@ class Bench:
         return time.perf_counter() - t, total
 
     @contextlib.contextmanager
-    def passthrough(self, src: Path) -> Iterator[Path]:
+    def passthrough(self, src: Path, rw: bool = False) -> Iterator[Path]:
         mp = self.work / "passthrough"
         mp.mkdir(exist_ok=True)
-        proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "passthrough.py"), str(src), str(mp)],
-                                stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "passthrough.py"),
+                                 *(["--rw"] if rw else []), str(src), str(mp)], stdin=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + 20
             while not is_mounted(mp):

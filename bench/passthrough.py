@@ -1,8 +1,9 @@
-"""Minimal read-only pyfuse3 passthrough of a local directory: the warm reference.
+"""Minimal pyfuse3 passthrough of a local directory: the warm-read and write reference.
 
-Usage: passthrough.py SRC MOUNTPOINT   (unmount with fusermount3 -u)
-Same kernel settings as tierfs (1 MiB reads via bdi read_ahead_kb, keep_cache),
-reads served with os.pread on the trio loop: the ceiling of a Python FUSE daemon.
+Usage: passthrough.py [--rw] SRC MOUNTPOINT   (unmount with fusermount3 -u)
+Same kernel settings as tierfs (1 MiB reads via bdi read_ahead_kb, keep_cache;
+with --rw the kernel's write-back cache, as tierfs), reads and writes served with
+os.pread/os.pwrite on the trio loop: the ceiling of a Python FUSE daemon.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import trio
 
 
 class Passthrough(pyfuse3.Operations):
-    def __init__(self, src: str) -> None:
+    def __init__(self, src: str, rw: bool) -> None:
         super().__init__()
         self.paths = {pyfuse3.ROOT_INODE: src}
         self.fds: dict[int, int] = {}
+        self.enable_writeback_cache = rw
 
     def _attr(self, path: str) -> pyfuse3.EntryAttributes:
         st = os.lstat(path)
@@ -58,12 +60,37 @@ class Passthrough(pyfuse3.Operations):
                 break
 
     async def open(self, inode, flags, ctx):
-        fd = os.open(self.paths[inode], os.O_RDONLY)
+        writing = flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC)
+        fd = os.open(self.paths[inode], (os.O_RDWR | (flags & os.O_TRUNC)) if writing else os.O_RDONLY)
         self.fds[fd] = inode
         return pyfuse3.FileInfo(fh=fd, keep_cache=True)
 
     async def read(self, fh, off, size):
         return os.pread(fh, size, off)
+
+    async def create(self, parent, name, mode, flags, ctx):
+        path = os.path.join(self.paths[parent], os.fsdecode(name))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, mode & 0o777)
+        attr = self._attr(path)
+        self.fds[fd] = attr.st_ino
+        return pyfuse3.FileInfo(fh=fd, keep_cache=True), attr
+
+    async def write(self, fh, off, buf):
+        return os.pwrite(fh, buf, off)
+
+    async def flush(self, fh):
+        pass
+
+    async def fsync(self, fh, datasync):
+        os.fsync(fh)
+
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        path = self.paths[inode]
+        if fields.update_size:
+            os.truncate(path, attr.st_size)
+        if fields.update_mtime:
+            os.utime(path, ns=(attr.st_mtime_ns, attr.st_mtime_ns))
+        return await self.getattr(inode, ctx)
 
     async def release(self, fh):
         self.fds.pop(fh, None)
@@ -71,8 +98,10 @@ class Passthrough(pyfuse3.Operations):
 
 
 def main() -> None:
-    src, mp = sys.argv[1], sys.argv[2]
-    pyfuse3.init(Passthrough(os.path.abspath(src)), mp, {"ro", "fsname=passthrough", "default_permissions"})
+    rw = sys.argv[1] == "--rw"
+    src, mp = sys.argv[1 + rw], sys.argv[2 + rw]
+    options = {"fsname=passthrough", "default_permissions"} | (set() if rw else {"ro"})
+    pyfuse3.init(Passthrough(os.path.abspath(src), rw), mp, options)
 
     def readahead() -> None:
         dev = os.stat(mp).st_dev  # answered by the loop below
