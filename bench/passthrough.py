@@ -8,7 +8,6 @@ os.pread/os.pwrite on the trio loop: the ceiling of a Python FUSE daemon.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import sys
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import pyfuse3
 import trio
+
+from tierfs.daemon import set_kernel_readahead
 
 
 class Passthrough(pyfuse3.Operations):
@@ -103,15 +104,11 @@ def main() -> None:
     options = {"fsname=passthrough", "default_permissions"} | (set() if rw else {"ro"})
     pyfuse3.init(Passthrough(os.path.abspath(src), rw), mp, options)
 
-    def readahead() -> None:
-        dev = os.stat(mp).st_dev  # answered by the loop below
-        with contextlib.suppress(OSError):
-            Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").write_text("1024")
-
     async def run() -> None:
         async with trio.open_nursery() as n:
             n.start_soon(pyfuse3.main)
-            await trio.to_thread.run_sync(readahead)
+            # Its stat of the mountpoint is answered by pyfuse3.main, hence a thread.
+            await trio.to_thread.run_sync(set_kernel_readahead, Path(mp), 1024)
 
     try:
         trio.run(run)
