@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tierfs.config import ConfigError, load_config_file
-from tierfs.control import CONTROL_XATTR, ControlError, find_socket, request
+from tierfs.control import ControlError, find_socket, request
 
 MiB = 1 << 20
 
@@ -52,16 +52,15 @@ def _duration(s: float | None) -> str:
 
 def mount_of(path: str | Path) -> tuple[Path, str, str]:
     """(mount root, control socket, path relative to the root) of a path inside
-    a live tierfs mount; the root is the nearest ancestor that carries the
-    control xattr."""
+    a live tierfs mount: the nearest mount root above it must be a tierfs one."""
     p = Path(os.path.abspath(path))
     for cand in (p, *p.parents):
-        try:
-            sock = os.getxattr(str(cand), CONTROL_XATTR).decode()
-        except OSError:
-            continue
         if not os.path.ismount(cand):
             continue
+        try:
+            sock = find_socket(cand)
+        except ControlError:
+            break
         rel = os.path.relpath(p, cand)
         return cand, sock, "" if rel == "." else rel
     raise OpsError(f"{path}: not inside a live tierfs mount")

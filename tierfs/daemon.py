@@ -8,6 +8,7 @@ made, and readiness is reported once the mount answers a `stat`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -22,7 +23,7 @@ import trio
 
 from tierfs.cache import Cache, CacheBusy, CacheConflict, CacheUnwritable
 from tierfs.config import ConfigError, MountConfig, parse_listen_addr
-from tierfs.control import ControlServer, socket_path
+from tierfs.control import ControlError, ControlServer, publish, socket_path
 from tierfs.fs import TierFS
 from tierfs.metrics import Metrics
 from tierfs.namespace import Namespace
@@ -285,7 +286,6 @@ class Daemon:
                 self.cache,
                 self.metrics,
                 writeback=wb,
-                control_path=str(ctl_path),
                 prefetch_globs=cfg.prefetch_globs,
                 prefetch_min_size=cfg.prefetch_min_size,
             )
@@ -307,11 +307,16 @@ class Daemon:
             if cfg.allow_other:
                 options.add("allow_other")
             pyfuse3.init(ops, str(cfg.mountpoint), options)
+            entry: Path | None = None
             try:
                 async with trio.open_nursery() as fuse_nursery:
                     fuse_nursery.start_soon(self._serve_fuse, stop)
                     fuse_nursery.start_soon(self._signals, stop)
-                    await self._wait_ready()
+                    dev = await self._wait_ready()
+                    try:
+                        entry = publish(dev, ctl_path)
+                    except (OSError, ControlError) as exc:
+                        raise MountError(f"cannot publish the control socket: {exc}") from None
                     await trio.to_thread.run_sync(
                         set_kernel_readahead, cfg.mountpoint, cfg.kernel_read_ahead_kb
                     )
@@ -322,6 +327,9 @@ class Daemon:
                     fuse_nursery.cancel_scope.cancel()
             finally:
                 pyfuse3.close(unmount=True)
+                if entry is not None:
+                    with contextlib.suppress(OSError):
+                        entry.unlink()
                 nursery.cancel_scope.cancel()
 
     async def _collect_orphans(self) -> None:
@@ -344,14 +352,15 @@ class Daemon:
                 stop.set()
                 return
 
-    async def _wait_ready(self) -> None:
-        """The mount counts as up once a stat of its root is answered by us."""
+    async def _wait_ready(self) -> int:
+        """The mount counts as up once a stat of its root is answered by us;
+        returns the mount's device number."""
         mp = str(self.cfg.mountpoint)
         for _ in range(200):
             try:
                 st = await trio.to_thread.run_sync(os.stat, mp)
                 if st.st_ino == pyfuse3.ROOT_INODE:
-                    return
+                    return st.st_dev
             except OSError:
                 pass
             await trio.sleep(0.05)

@@ -32,7 +32,6 @@ from tierfs.writeback import WriteBack
 log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
-CONTROL_XATTR = b"user.tierfs.control"
 LOG_EVERY = 10.0  # seconds between log lines of one error kind
 
 
@@ -86,7 +85,6 @@ class TierFS(pyfuse3.Operations):
         metrics: Metrics,
         *,
         writeback: WriteBack,
-        control_path: str,
         prefetch_globs: tuple[str, ...],
         prefetch_min_size: int,
     ) -> None:
@@ -96,7 +94,6 @@ class TierFS(pyfuse3.Operations):
         self.reader = reader
         self.cache = cache
         self.metrics = metrics
-        self.control_path = control_path
         self._prefetch = [glob_to_regex(g) for g in prefetch_globs]
         self._prefetch_min = prefetch_min_size
         self._handles: dict[int, Handle] = {}
@@ -528,16 +525,6 @@ class TierFS(pyfuse3.Operations):
         out.f_files, out.f_ffree, out.f_favail = st.f_files, st.f_ffree, st.f_favail
         out.f_namemax = 255
         return out
-
-    @fuse_errors
-    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        if inode == pyfuse3.ROOT_INODE and name == CONTROL_XATTR:
-            return self.control_path.encode()
-        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
-
-    @fuse_errors
-    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
-        return [CONTROL_XATTR] if inode == pyfuse3.ROOT_INODE else []
 
     def log_limited(self, kind: str, fmt: str, *args: object) -> None:
         """One line per error kind per LOG_EVERY seconds: an outage must not flood the log."""
