@@ -128,7 +128,7 @@ def print_status(st: dict[str, Any]) -> None:
     if classes:
         ct = Table(title="classes", title_justify="left")
         for col in ("class", "attr ttl", "list ttl", "revalidate", "page cache", "write",
-                    "readahead"):
+                    "readahead", "direct writes"):
             ct.add_column(col, no_wrap=True)
 
         def secs(v: Any) -> str:
@@ -140,7 +140,8 @@ def print_status(st: dict[str, Any]) -> None:
                        secs(cs["attr_ttl"]), secs(cs["list_ttl"]),
                        "yes" if cs["revalidate_on_open"] else "no",
                        "keep" if cs["keep_cache"] else "drop",
-                       cs["write_mode"].replace("write", ""), human(cs["readahead_max"]))
+                       cs["write_mode"].replace("write", ""), human(cs["readahead_max"]),
+                       "yes" if cs.get("direct_writes") else "no")
         console.print(ct)
         rules = st.get("rules") or []
         if rules:

@@ -70,6 +70,8 @@ class Handle:
     dirty: bool = False  # written since the last seal
     writable: bool = False  # counted in the write-back writer count until released
     base_etag: str | None = None  # the store version this handle read (manifest If-Match)
+    direct: bool = False  # writes bypass the kernel page cache (ClassSettings.direct_writes)
+    wrote: bool = False  # a write came through this handle
 
 
 class TierFS(pyfuse3.Operations):
@@ -174,7 +176,8 @@ class TierFS(pyfuse3.Operations):
             await self.ns.revalidate(node)
         entry = await self.ns.workers.disk(self.cache.open, node.path, node.etag, node.size, node.mtime)
         fh = self._new_fh()
-        h = self._handles[fh] = Handle(node, entry, writable=writing, base_etag=node.etag or None)
+        h = self._handles[fh] = Handle(node, entry, writable=writing, base_etag=node.etag or None,
+                                       direct=self._direct(node, flags))
         if writing:
             self.wb.writer_opened(node.path, entry.size)
             await self.wb.prepare_write(node.path)
@@ -186,7 +189,13 @@ class TierFS(pyfuse3.Operations):
         if not writing and self._wants_prefetch(node) and not self.reader.prefetching(entry):
             await self._prefetch_object(node, entry)
         self.metrics.meta_op("open")
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=False)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=h.direct)
+
+    @staticmethod
+    def _direct(node: Node, flags: int) -> bool:
+        """Write-only opens of a direct-writes class skip the kernel page cache
+        (a write-only fd cannot be mmapped, so nothing needs its pages)."""
+        return node.settings.direct_writes and flags & os.O_ACCMODE == os.O_WRONLY
 
     async def _prefetch_object(self, node: Node, entry: Entry) -> None:
         """Model-like file (DESIGN §3.6): fetch it whole into tier 1 in the background,
@@ -233,6 +242,10 @@ class TierFS(pyfuse3.Operations):
         finally:
             if h.writable:
                 self.wb.writer_closed(h.node.path, h.entry)
+            if h.direct and h.wrote:
+                # Pages other opens cached may predate these writes. Newer kernels
+                # drop them in the direct write itself (6.18 does); older ones don't.
+                self.invalidate(h.node.inode)
             await self.ns.workers.disk(self.cache.release, h.entry)
 
     # -- writes ----------------------------------------------------------------
@@ -255,9 +268,10 @@ class TierFS(pyfuse3.Operations):
         self.wb.writer_opened(path, 0)
         self.wb.note_dirty(path, 0)
         fh = self._new_fh()
-        self._handles[fh] = Handle(node, entry, dirty=True, writable=True)
+        h = self._handles[fh] = Handle(node, entry, dirty=True, writable=True,
+                                       direct=self._direct(node, flags))
         self.metrics.meta_op("create")
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False), self.attrs(node)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=h.direct), self.attrs(node)
 
     @fuse_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -265,6 +279,7 @@ class TierFS(pyfuse3.Operations):
         if not h.dirty:
             await self._begin_write(h)
         n = await self._local_write(h.entry, h.entry.write, off, buf)
+        h.wrote = True
         h.node.size = h.entry.size
         self.wb.note_dirty(h.node.path, h.entry.size)
         return n

@@ -130,6 +130,31 @@ def test_writeback_checkpoint_lands_and_stays_cached(
     assert m.metric("tierfs_store_bytes_total{op=get}") == before  # no re-download
 
 
+def test_direct_writes_are_seen_by_the_next_open(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+) -> None:
+    """A write-only open of a checkpoint-class file skips the kernel page cache
+    (direct_writes): pages a reader cached before must not outlive its writes."""
+    old = os.urandom(2 * MiB)
+    s3_server.client().put_object(Bucket=bucket, Key="ckpt/m.pt", Body=old)
+    m = mount_factory(f"s3://{bucket}")
+    p = m.mountpoint / "ckpt/m.pt"
+    assert p.read_bytes() == old  # now in the kernel's page cache (keep_cache)
+    fd = os.open(p, os.O_WRONLY)
+    try:
+        for off in range(4096, 4096 + 3 * 8192, 8192):
+            assert os.pwrite(fd, b"N" * 8192, off) == 8192
+    finally:
+        os.close(fd)
+    new = old[:4096] + b"N" * 3 * 8192 + old[4096 + 3 * 8192:]
+    assert p.read_bytes() == new
+    with open(p, "ab") as f:  # O_WRONLY|O_APPEND: direct too, at the kernel's EOF
+        f.write(b"tail")
+    assert p.read_bytes() == new + b"tail"
+    flush(m)
+    assert obj(s3_server, bucket, "ckpt/m.pt") == new + b"tail"
+
+
 def test_save_tmp_then_replace_and_directory_rename(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
 ) -> None:

@@ -51,6 +51,7 @@ def test_example_config_loads_and_means_what_it_says() -> None:
     assert {c.readahead_max for c in cfg.classes.values()} == {64 * MiB}
     assert cfg.metrics_addr == "127.0.0.1:9464"
     assert math.isinf(cfg.classes["dataset"].list_ttl)
+    assert [n for n, c in cfg.classes.items() if c.direct_writes] == ["checkpoint"]
     assert cfg.classes["manifest"] == replace(DEFAULT_CLASSES["manifest"], readahead_max=64 * MiB)
     # file rules first, built-ins after
     assert cfg.rules[:2] == (("shards/**", "dataset"), ("*.jsonl", "dataset"))
@@ -93,6 +94,7 @@ def test_new_class_and_replacing_the_default_rules(tmp_path: Path) -> None:
         ('[[rules]]\nglob = "*.[a"\nclass = "dataset"\n', 2, "unclosed '['"),
         ('[classes.dataset]\nattr_ttl = 5\nwrite_mode = "sometimes"\n', 3, "write_mode must be one of"),
         ('[classes.dataset]\nlist_ttl = -3\n', 2, "must be >= 0"),
+        ('[classes.checkpoint]\ndirect_writes = "yes"\n', 2, "direct_writes"),
         ('[metrics]\naddr = "0.0.0.0:9464"\n', 2, "not loopback"),
         ('[logging]\nlevel = "loud"\n', 2, "log level must be one of"),
         ('source = "http://bkt"\n', 1, "source must be s3://"),
