@@ -22,9 +22,11 @@ import pyfuse3
 import trio
 
 from tierfs.cache import Cache, Entry
+from tierfs.config import QUEUED_WRITES
 from tierfs.metrics import Metrics
 from tierfs.namespace import Namespace, Node
 from tierfs.policy import glob_to_regex
+from tierfs.queued_writes import QueuedWrites, WriteQueue
 from tierfs.reader import Reader, ReadState
 from tierfs.store.base import ObjectInfo, StoreError
 from tierfs.writeback import WriteBack
@@ -72,6 +74,7 @@ class Handle:
     base_etag: str | None = None  # the store version this handle read (manifest If-Match)
     direct: bool = False  # writes bypass the kernel page cache (ClassSettings.direct_writes)
     wrote: bool = False  # a write came through this handle
+    queue: WriteQueue | None = None  # a direct handle's acknowledged, unapplied writes
 
 
 class TierFS(pyfuse3.Operations):
@@ -96,6 +99,7 @@ class TierFS(pyfuse3.Operations):
         self.reader = reader
         self.cache = cache
         self.metrics = metrics
+        self.queued = QueuedWrites(reader.nursery, self._apply_write, QUEUED_WRITES)
         self._prefetch = [glob_to_regex(g) for g in prefetch_globs]
         self._prefetch_min = prefetch_min_size
         self._handles: dict[int, Handle] = {}
@@ -221,6 +225,7 @@ class TierFS(pyfuse3.Operations):
     @fuse_errors
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         h = self._handles[fh]
+        await self.queued.drain_entry(h.entry)
         started = time.perf_counter()
         if self.ns.degraded and h.entry.state == "clean" and h.entry.missing_pages(off, off + size):
             # The store is known down: bytes tier 1 lacks fail at once, not after
@@ -278,11 +283,21 @@ class TierFS(pyfuse3.Operations):
         h = self._handles[fh]
         if not h.dirty:
             await self._begin_write(h)
-        n = await self._local_write(h.entry, h.entry.write, off, buf)
+        await self.queued.drain_entry(h.entry, but=h.queue)  # other handles' writes first
         h.wrote = True
-        h.node.size = h.entry.size
-        self.wb.note_dirty(h.node.path, h.entry.size)
-        return n
+        if h.direct:  # acknowledged now, applied in order in the background
+            if h.queue is None:
+                h.queue = WriteQueue(h.entry)
+            await self.queued.submit(h.queue, h.entry, off, buf)
+            h.node.size = max(h.node.size, off + len(buf))
+        else:
+            await self._apply_write(h.entry, off, buf)
+            h.node.size = h.entry.size
+        self.wb.note_dirty(h.node.path, h.node.size)
+        return len(buf)
+
+    async def _apply_write(self, entry: Entry, off: int, buf: bytes) -> None:
+        await self._local_write(entry, entry.write, off, buf)
 
     async def _begin_write(self, h: Handle) -> None:
         """First write through a handle: the whole object must be local, and no
@@ -310,6 +325,9 @@ class TierFS(pyfuse3.Operations):
         await self.reader.ensure(h.entry, 0, min(size, h.entry.size), whole_parts=True)
 
     async def _truncate(self, h: Handle, size: int) -> None:
+        if h.queue is not None:
+            await self.queued.drain(h.queue)
+        await self.queued.drain_entry(h.entry)
         await self.wb.prepare_write(h.node.path)
         await self._make_local(h, min(size, h.entry.size))
         await self._local_write(h.entry, h.entry.truncate, size)
@@ -328,6 +346,9 @@ class TierFS(pyfuse3.Operations):
             return await self.ns.workers.disk(fn, *args)
 
     async def _seal(self, h: Handle) -> None:
+        if h.queue is not None:
+            await self.queued.drain(h.queue)  # a failed write is never sealed over
+        await self.queued.drain_entry(h.entry)
         h.dirty = False
         mode = h.node.settings.write_mode
         try:
@@ -402,6 +423,7 @@ class TierFS(pyfuse3.Operations):
         node.lookups -= 1
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
+        await self.queued.drain_all()
         await self.wb.delete(node.path)
         self.ns.remove(parent_inode, text)
         self.metrics.meta_op("unlink")
@@ -444,6 +466,7 @@ class TierFS(pyfuse3.Operations):
     ) -> None:
         if flags & pyfuse3.RENAME_EXCHANGE:
             raise pyfuse3.FUSEError(errno.EINVAL)
+        await self.queued.drain_all()  # files move with the bytes they were written
         old, new = self._name(name_old), self._name(name_new)
         src = await self.ns.lookup(parent_inode_old, old)
         src.lookups -= 1

@@ -155,6 +155,37 @@ def test_direct_writes_are_seen_by_the_next_open(
     assert obj(s3_server, bucket, "ckpt/m.pt") == new + b"tail"
 
 
+def test_acknowledged_direct_writes_are_read_back_at_once(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+) -> None:
+    """Direct writes are acknowledged before tier 1 has them (queued_writes.py):
+    a reader on another descriptor, a rename and the upload all see every byte."""
+    m = mount_factory(f"s3://{bucket}")
+    os.makedirs(m.mountpoint / "ckpt")
+    p = m.mountpoint / "ckpt/q.pt"
+    w = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    r = os.open(p, os.O_RDONLY)
+    expect = bytearray()
+    try:
+        for i in range(300):
+            piece = os.urandom(8192 if i % 3 else 200_000)
+            assert os.write(w, piece) == len(piece)
+            assert os.pread(r, len(piece), len(expect)) == piece
+            expect += piece
+        os.pwrite(w, b"back", 10)  # an overwrite queued behind the appends
+        expect[10:14] = b"back"
+        assert os.pread(r, 20, 0) == bytes(expect[:20])
+        os.write(w, b"end")
+        expect += b"end"
+        os.rename(p, m.mountpoint / "ckpt/q2.pt")  # with writes maybe still queued
+    finally:
+        os.close(r)
+        os.close(w)
+    assert (m.mountpoint / "ckpt/q2.pt").read_bytes() == expect
+    flush(m)
+    assert obj(s3_server, bucket, "ckpt/q2.pt") == expect
+
+
 def test_save_tmp_then_replace_and_directory_rename(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
 ) -> None:
