@@ -324,10 +324,14 @@ class TierFS(pyfuse3.Operations):
         await self.ns.workers.disk(self.cache.release, old)
         await self.reader.ensure(h.entry, 0, min(size, h.entry.size), whole_parts=True)
 
-    async def _truncate(self, h: Handle, size: int) -> None:
+    async def _settle(self, h: Handle) -> None:
+        """Wait for the file's queued writes; raise this handle's failed one."""
         if h.queue is not None:
             await self.queued.drain(h.queue)
         await self.queued.drain_entry(h.entry)
+
+    async def _truncate(self, h: Handle, size: int) -> None:
+        await self._settle(h)
         await self.wb.prepare_write(h.node.path)
         await self._make_local(h, min(size, h.entry.size))
         await self._local_write(h.entry, h.entry.truncate, size)
@@ -346,9 +350,7 @@ class TierFS(pyfuse3.Operations):
             return await self.ns.workers.disk(fn, *args)
 
     async def _seal(self, h: Handle) -> None:
-        if h.queue is not None:
-            await self.queued.drain(h.queue)  # a failed write is never sealed over
-        await self.queued.drain_entry(h.entry)
+        await self._settle(h)  # a file with a failed write is never sealed
         h.dirty = False
         mode = h.node.settings.write_mode
         try:

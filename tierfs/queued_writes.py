@@ -116,7 +116,7 @@ class QueuedWrites:
     async def drain_entry(self, entry: Any, but: WriteQueue | None = None) -> None:
         """Wait for every other handle's writes to this entry (their errors stay
         with them)."""
-        while any(q.entry is entry and q is not but for q in self._active):
+        while self._active and any(q.entry is entry and q is not but for q in self._active):
             await self._lot.park()
 
     async def drain_all(self) -> None:
