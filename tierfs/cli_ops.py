@@ -127,8 +127,8 @@ def print_status(st: dict[str, Any]) -> None:
     classes = st.get("classes") or {}
     if classes:
         ct = Table(title="classes", title_justify="left")
-        for col in ("class", "attr ttl", "list ttl", "revalidate", "page cache", "write",
-                    "readahead", "direct writes"):
+        for col in ("class", "attr", "list", "reval.", "pages", "write", "ahead",
+                    "direct"):
             ct.add_column(col, no_wrap=True)
 
         def secs(v: Any) -> str:
