@@ -8,9 +8,12 @@
                                           vs raw boto3 upload_file of the same file
 Same run, same file; medians of --runs. With --peers, the same dd into each
 installed peer (bench/peers.py, one mount for all runs like tierfs's) and the same
-HEAD poll of the bucket.
+HEAD poll of the bucket. With --small-writes, also dd bs=64K and bs=8K: local,
+tierfs (direct writes, the checkpoint class default) and tierfs through the
+kernel page cache (a second mount with direct_writes = false): the price of
+direct writes for small writers.
 
-Usage: python bench/ckptwrite.py [--size 1G] [--runs 3] [--peers]
+Usage: python bench/ckptwrite.py [--size 1G] [--runs 3] [--peers] [--small-writes]
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ from common import Bench, drop_caches, mbps, median, parse_args, report, write_r
 
 from tests.support.mount import run_tierfs
 
+SMALL = ("64K", "8K")
 
-def dd(src: str, dst: str) -> float:
+
+def dd(src: str, dst: str, bs: str = "1M") -> float:
     t = time.perf_counter()
-    subprocess.run(["dd", f"if={src}", f"of={dst}", "bs=1M", "conv=fsync", "status=none"],
+    subprocess.run(["dd", f"if={src}", f"of={dst}", f"bs={bs}", "conv=fsync", "status=none"],
                    check=True)
     return time.perf_counter() - t
 
@@ -47,7 +52,8 @@ def wait_in_bucket(b: Bench, key: str, size: int, timeout: float = 600) -> None:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], 1 << 30, 3)
+    args = parse_args(__doc__.splitlines()[0], 1 << 30, 3, lambda p: p.add_argument(
+        "--small-writes", action="store_true", help="also dd bs=64K and 8K (direct vs page cache)"))
     with Bench(args, "ckptwrite") as b, contextlib.ExitStack() as stack:
         src = b.work / "src.pt"
         write_random_file(src, args.size)
@@ -55,11 +61,18 @@ def main() -> None:
         t: dict[str, list[float]] = {k: [] for k in (
             "local_dd", "passthrough_dd", "tierfs_dd", "tierfs_in_bucket", "boto3_upload",
             "tierfs_flush_total",
-            *(f"{p.name}_{s}" for p in others for s in ("dd", "in_bucket")))}
+            *(f"{p.name}_{s}" for p in others for s in ("dd", "in_bucket")),
+            *(f"{w}_dd_{bs}" for bs in SMALL if args.small_writes
+              for w in ("local", "tierfs", "tierfs_pagecache")))}
         pt_dir = b.work / "passthrough-src"
         pt_dir.mkdir()
         pt = stack.enter_context(b.passthrough(pt_dir, rw=True))
         m = b.mount()
+        pc = None
+        if args.small_writes:
+            conf = b.work / "pagecache.toml"
+            conf.write_text("[classes.checkpoint]\ndirect_writes = false\n")
+            pc = b.mount(None, "--config", str(conf))
         pms = [stack.enter_context(peers.mount(b, p)) for p in others]
         for run in range(args.runs):
             local = b.work / f"local-{run}.pt"
@@ -87,6 +100,17 @@ def main() -> None:
             res = run_tierfs("flush", str(m.mountpoint), env=b.env, timeout=600)
             assert res.returncode == 0, res.stderr
             t["tierfs_flush_total"].append(time.perf_counter() - start)
+
+            for bs in SMALL if pc is not None else ():
+                drop_caches()
+                t[f"local_dd_{bs}"].append(dd(str(src), str(local), bs))
+                local.unlink()
+                for name, mnt in (("tierfs", m), ("tierfs_pagecache", pc)):
+                    drop_caches()
+                    dst = mnt.mountpoint / f"ckpt/small-{bs}-{run}.pt"
+                    t[f"{name}_dd_{bs}"].append(dd(str(src), str(dst), bs))
+                    res = run_tierfs("flush", str(mnt.mountpoint), env=b.env, timeout=600)
+                    assert res.returncode == 0, res.stderr
 
             for pm in pms:
                 drop_caches()
@@ -126,6 +150,9 @@ def main() -> None:
             ("tierfs in bucket", f"{med['tierfs_in_bucket']:.2f}s after dd started"
              f"  = {med['tierfs_in_bucket'] / med['boto3_upload']:.2f}x boto3 (target <= 1.2x)"),
             *peer_rows,
+            *((f"dd bs={bs}", f"local {med[f'local_dd_{bs}']:.2f}s, tierfs {med[f'tierfs_dd_{bs}']:.2f}s "
+               f"({med[f'tierfs_dd_{bs}'] / med[f'local_dd_{bs}']:.2f}x), through the page cache "
+               f"{med[f'tierfs_pagecache_dd_{bs}']:.2f}s") for bs in SMALL if pc is not None),
         ])
         b.save()
 
