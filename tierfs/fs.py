@@ -78,8 +78,9 @@ class Handle:
 
 
 class TierFS(pyfuse3.Operations):
-    # The kernel coalesces writes into large requests and keeps written pages
-    # (DESIGN §9: needed to close a checkpoint near local-disk speed).
+    # The kernel coalesces small writes into large requests and keeps written
+    # pages (DESIGN §9). Write-only opens of a direct_writes class (checkpoints)
+    # bypass it: for 1 MiB writes the page cache's write-back is the slower path.
     enable_writeback_cache = True
 
     def __init__(
