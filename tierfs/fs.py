@@ -73,7 +73,6 @@ class Handle:
     writable: bool = False  # counted in the write-back writer count until released
     base_etag: str | None = None  # the store version this handle read (manifest If-Match)
     direct: bool = False  # writes bypass the kernel page cache (ClassSettings.direct_writes)
-    wrote: bool = False  # a write came through this handle
     queue: WriteQueue | None = None  # a direct handle's acknowledged, unapplied writes
 
 
@@ -248,7 +247,7 @@ class TierFS(pyfuse3.Operations):
         finally:
             if h.writable:
                 self.wb.writer_closed(h.node.path, h.entry)
-            if h.direct and h.wrote:
+            if h.queue is not None:  # a direct handle that wrote
                 # Pages other opens cached may predate these writes. Newer kernels
                 # drop them in the direct write itself (6.18 does); older ones don't.
                 self.invalidate(h.node.inode)
@@ -285,7 +284,6 @@ class TierFS(pyfuse3.Operations):
         if not h.dirty:
             await self._begin_write(h)
         await self.queued.drain_entry(h.entry, but=h.queue)  # other handles' writes first
-        h.wrote = True
         if h.direct:  # acknowledged now, applied in order in the background
             if h.queue is None:
                 h.queue = WriteQueue(h.entry)
