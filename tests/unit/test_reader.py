@@ -255,3 +255,30 @@ async def test_bytes_that_just_landed_are_served_from_memory(cache: Cache, monke
         assert store.bytes_fetched <= len(data)  # nothing fetched twice
         n.cancel_scope.cancel()
     cache.release(e)
+
+
+async def test_a_herd_reading_in_turns_fetches_whole_parts(cache: Cache) -> None:
+    """N processes reading one cold file take turns: the kernel sends each one's
+    next request only for what the page cache lacks, so each handle sees reads
+    that continue none of its streams. Near the entry's sequential front such a
+    read continues the front (whole parts, readahead); far from it, it is still
+    a random read that fetches only its pages."""
+    data = os.urandom(32 * PART)
+    store = FakeStore({"k": data}, delay=0)
+    e = cache.open("k", "e", len(data), 1.0)
+    async with trio.open_nursery() as n:
+        r = make_reader(store, n)
+        handles = [ReadState() for _ in range(4)]
+        step = 5 * CS  # big reads (no page path), not part-aligned
+        for i, off in enumerate(range(0, 16 * PART, step)):  # a relay: handle i % 4 reads piece i
+            got = await r.read(e, handles[i % 4], off, step, 4 * PART)
+            assert bytes(got) == data[off : off + step]
+        assert all(start % PART == 0 and length == PART for start, length in store.gets), store.gets
+        assert store.bytes_fetched <= 20 * PART  # the front's readahead ran ahead of the relay
+        # Far from the front: a random read, its pages only.
+        far = 28 * PART + 8 * KiB
+        before = store.bytes_fetched
+        assert await r.read(e, ReadState(), far, 4 * KiB, 4 * PART) == data[far : far + 4 * KiB]
+        assert store.bytes_fetched - before == 4 * KiB
+        n.cancel_scope.cancel()
+    cache.release(e)
