@@ -120,23 +120,27 @@ class Fronts:
 
     def note(self, entry: Entry, end: int, window: int) -> None:
         """A read of `entry` ending at `end` continued a stream of its handle."""
+        now = time.monotonic()
         prior = self._fronts.pop(id(entry), None)
-        if prior is not None and prior[0] is entry:
-            end = max(end, prior[1])  # the front is the furthest sequential reader
-        self._fronts[id(entry)] = (entry, end, window, time.monotonic())
+        if prior is not None and prior[0] is entry and now - prior[3] <= self.FRESH:
+            # The front is the furthest sequential reader, with the widest window.
+            end, window = max(end, prior[1]), max(window, prior[2])
+        self._fronts[id(entry)] = (entry, end, window, now)
         if len(self._fronts) > self.KEEP:
             self._fronts.popitem(last=False)
 
-    def follow(self, entry: Entry, off: int, end: int, ahead: int) -> int:
-        """The front's window if [off, end) lands near it (and the front moves to
-        `end`), else 0: a random read."""
+    def follow(self, entry: Entry, off: int, end: int, min_window: int, max_window: int) -> int:
+        """If [off, end) lands near the front, the front moves to `end` and its
+        window grows as a stream's would; that window is returned. Else 0."""
         front = self._fronts.get(id(entry))
         if front is None or front[0] is not entry:
             return 0
         _, front_end, window, seen = front
         now = time.monotonic()
-        if now - seen > self.FRESH or not front_end - self.behind <= off <= front_end + max(window, ahead):
+        reach = max(window, min_window)
+        if now - seen > self.FRESH or not front_end - self.behind <= off <= front_end + reach:
             return 0
+        window = min(max(window * 2, min_window), max_window)
         self._fronts[id(entry)] = (entry, max(end, front_end), window, now)
         return window
 
@@ -208,7 +212,7 @@ class Reader:
         if window:
             self._fronts.note(entry, end, window)
         else:
-            window = self._fronts.follow(entry, off, end, self.part_size)
+            window = self._fronts.follow(entry, off, end, self.readahead_min, readahead_max)
         small = not window and end - off <= SMALL_READ and _pages_ok(entry)
         if small:
             fetched = await self.ensure_pages(entry, off, end)
