@@ -106,10 +106,10 @@ class Fronts:
     Why: N processes reading one file at once (a herd) take turns: the kernel
     sends each process's next request only for what the page cache still
     lacks, so the herd reads the file in order as a relay while no single
-    handle sees a stream (a 1 GiB herd of 8: 293 chunk GETs where one reader
-    makes 64 part GETs). A read that continues no stream of its own handle but
-    lands near the entry's front continues the front instead: whole parts,
-    the front's window of readahead."""
+    handle sees a stream (a 1 GiB herd of 8: 476 GETs, mostly 1 MiB chunks,
+    where one reader makes 64 part GETs). A read that continues no stream of
+    its own handle but lands near the entry's front continues the front
+    instead: whole parts, and a window that grows as one stream's would."""
 
     KEEP = 64  # entries remembered
     FRESH = 1.0  # seconds a front stays meaningful without a read moving it
@@ -142,6 +142,7 @@ class Fronts:
             return 0
         window = min(max(window * 2, min_window), max_window)
         self._fronts[id(entry)] = (entry, max(end, front_end), window, now)
+        self._fronts.move_to_end(id(entry))
         return window
 
 
