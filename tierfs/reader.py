@@ -88,7 +88,7 @@ class ReadState:
                 follows = near and s.hits >= 2
             if follows:
                 s.hits += 1
-                s.window = min(max(s.window * 2, min_window), max_window)
+                s.window = _grown(s.window, min_window, max_window)
                 s.next_off = max(s.next_off, end)
                 s.last_used = now
                 return s.window
@@ -98,6 +98,11 @@ class ReadState:
         window = min(min_window, max_window) if off == 0 and end - off > SMALL_READ else 0
         self.streams.append(Stream(end, window, now))
         return window
+
+
+def _grown(window: int, min_window: int, max_window: int) -> int:
+    """A sequential stream's next window: doubled, at least the min, at most the max."""
+    return min(max(window * 2, min_window), max_window)
 
 
 class Fronts:
@@ -140,7 +145,7 @@ class Fronts:
         reach = max(window, min_window)
         if now - seen > self.FRESH or not front_end - self.behind <= off <= front_end + reach:
             return 0
-        window = min(max(window * 2, min_window), max_window)
+        window = _grown(window, min_window, max_window)
         self._fronts[id(entry)] = (entry, max(end, front_end), window, now)
         self._fronts.move_to_end(id(entry))
         return window
