@@ -31,6 +31,7 @@ from tests.support.seaweed import SeaweedServer  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
+PAGE = os.sysconf("SC_PAGE_SIZE")
 RESULTS = ROOT / "bench" / "results"
 # What one measured step may put in the page cache (the server's volume file,
 # the mount's pages, a local reference file), capped by what the machine has.
@@ -198,6 +199,11 @@ class Bench:
                 proc.kill()
                 proc.wait()
 
+    @property
+    def server_pid(self) -> int:
+        assert self.server.proc is not None, "server not started"
+        return self.server.proc.pid
+
     def store_get_bytes(self, m: TierfsMount) -> float:
         return m.metric("tierfs_store_bytes_total{op=get}")
 
@@ -208,6 +214,88 @@ class Bench:
         path.write_text(json.dumps(self.result, indent=2, sort_keys=True) + "\n")
         print(f"results: {path}")
         return path
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_ticks() -> tuple[int, int]:
+    """(idle + iowait, all) jiffies of the whole machine since boot."""
+    v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return v[3] + v[4], sum(v)
+
+
+@contextlib.contextmanager
+def cpu_use(nbytes: int, **pids: int) -> Iterator[dict[str, float]]:
+    """CPU seconds per GiB moved that each named process and this one (as
+    `reader`) spent in the block, and the share of the machine left idle.
+
+    Why: on a small machine shared with the S3 server, a ratio against boto3
+    is a ratio of CPU budgets; this shows whose."""
+    out: dict[str, float] = {}
+    before = {name: proc_cpu_seconds(pid) for name, pid in pids.items()}
+    me, (idle, ticks) = os.times(), _machine_ticks()
+    yield out
+    me1, (idle1, ticks1) = os.times(), _machine_ticks()
+    per_gib = GiB / nbytes
+    for name, pid in pids.items():
+        out[name] = (proc_cpu_seconds(pid) - before[name]) * per_gib
+    out["reader"] = (me1.user + me1.system - me.user - me.system) * per_gib
+    out["idle_share"] = (idle1 - idle) / max(1, ticks1 - ticks)
+
+
+def large_folio_share(path: Path, limit: int = 64 * MiB) -> float | None:
+    """Share of the cached pages of a file's first `limit` bytes that the page
+    cache holds in large folios (from /proc/kpageflags; root only, else None).
+
+    Why: a hot read is a copy out of the page cache, and its speed depends on
+    the folio size: ext4 caches in large folios, while FUSE on the kernels we
+    run keeps 4 KiB pages (the pyfuse3 passthrough reference shows the same)."""
+    import mmap
+    import struct
+
+    size = min(os.path.getsize(path), limit)
+    if size < PAGE:
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        # Private and writable only so ctypes can take its address; it is never written.
+        with mmap.mmap(fd, size, access=mmap.ACCESS_COPY) as m:
+            for off in range(0, size, PAGE):
+                m[off]  # map the cached page (a page fault, no read: it is cached)
+            start = _mapping_start(m)
+            try:
+                with open("/proc/self/pagemap", "rb") as pm, open("/proc/kpageflags", "rb") as kf:
+                    pm.seek(start // PAGE * 8)
+                    entries = struct.unpack(f"{size // PAGE}Q", pm.read(size // PAGE * 8))
+                    present = large = 0
+                    for e in entries:
+                        pfn = e & ((1 << 55) - 1)
+                        if not e >> 63 or not pfn:
+                            continue
+                        kf.seek(pfn * 8)
+                        flags = struct.unpack("Q", kf.read(8))[0]
+                        present += 1
+                        large += bool(flags & (1 << 15 | 1 << 16))  # compound head or tail
+            except PermissionError:
+                return None
+    finally:
+        os.close(fd)
+    return large / present if present else None
+
+
+def _mapping_start(m: object) -> int:
+    """Virtual address of an mmap object's mapping."""
+    import ctypes
+
+    buf = (ctypes.c_char * 1).from_buffer(m)  # type: ignore[arg-type]
+    try:
+        return ctypes.addressof(buf)
+    finally:
+        del buf
 
 
 @contextlib.contextmanager
