@@ -114,7 +114,8 @@ class Fronts:
     handle sees a stream (a 1 GiB herd of 8: 476 GETs, mostly 1 MiB chunks,
     where one reader makes 64 part GETs). A read that continues no stream of
     its own handle but lands near the entry's front continues the front
-    instead: whole parts, and a window that grows as one stream's would."""
+    instead: whole parts, and a window that grows as one stream's would.
+    A small read continues it only right at the front (see `follow`)."""
 
     KEEP = 64  # entries remembered
     FRESH = 1.0  # seconds a front stays meaningful without a read moving it
@@ -144,6 +145,12 @@ class Fronts:
         now = time.monotonic()
         reach = max(window, min_window)
         if now - seen > self.FRESH or not front_end - self.behind <= off <= front_end + reach:
+            return 0
+        if end - off <= SMALL_READ and not front_end <= off <= front_end + STREAM_GAP:
+            # Small and not at the front: a random read that landed near it by
+            # chance (a loader's 4 KiB preads), not a relay's next piece, which
+            # starts where the last one ended. Following it would read ahead and
+            # stage whole parts for 4 KiB.
             return 0
         window = _grown(window, min_window, max_window)
         self._fronts[id(entry)] = (entry, max(end, front_end), window, now)

@@ -278,6 +278,14 @@ async def test_a_herd_reading_in_turns_fetches_whole_parts(cache: Cache) -> None
             await trio.sleep(0.01)
         # The relay's window grew as one reader's would: readahead is a full window ahead.
         assert not e.missing(16 * PART, 20 * PART)
+        # Random 4 KiB reads that land near the front by chance (another handle,
+        # bytes already there) do not move it: no readahead, no GET.
+        gets = len(store.gets)
+        front = max(range(0, 16 * PART, step)) + step
+        for off in (front - 3 * PART + 8 * KiB, front - 5 * CS, front + PART + 4 * KiB):
+            assert await r.read(e, ReadState(), off, 4 * KiB, 4 * PART) == data[off : off + 4 * KiB]
+        await trio.sleep(0.05)
+        assert len(store.gets) == gets and e.missing(21 * PART, 22 * PART), store.gets[gets:]
         # Far from the front: a random read, its pages only.
         far = 28 * PART + 8 * KiB
         before = store.bytes_fetched
