@@ -1,7 +1,9 @@
 """Random 4 KiB preads of one big object: reads/s and bytes fetched vs requested.
 
   cold: empty tier 1, page cache dropped   warm: tier 1 kept, page cache dropped
-  reference: raw boto3 ranged GETs of the same 4 KiB ranges (same count, one thread)
+  reference: raw boto3 ranged GETs of the same 4 KiB ranges (same count, one thread);
+  warm also vs bench/passthrough.py over the local file (page cache dropped): the
+  same reads through a minimal pyfuse3 filesystem, i.e. what pyfuse3 itself costs
 
 The reader calls posix_fadvise(POSIX_FADV_RANDOM), as random-access loaders do,
 so the kernel sends each 4 KiB pread as it is instead of widening it.
@@ -50,7 +52,7 @@ def main() -> None:
         requested = args.reads * IO
         others = peers.select(b)
         res: dict[str, list[float]] = {k: [] for k in (
-            "tierfs_cold_rps", "tierfs_warm_rps", "boto3_rps", "local_cold_rps",
+            "tierfs_cold_rps", "tierfs_warm_rps", "boto3_rps", "local_cold_rps", "passthrough_warm_rps",
             "cold_fetched_vs_requested", "warm_fetched_bytes", "nofadvise_fetched_vs_requested",
             *(f"{p.name}_{s}" for p in others
               for s in ("cold_rps", "warm_rps", "cached_vs_requested")))}
@@ -73,6 +75,9 @@ def main() -> None:
             res["tierfs_warm_rps"].append(args.reads / preads(path, offsets, True))
             res["warm_fetched_bytes"].append(b.store_get_bytes(m) - cold)
             b.unmount(m)
+            with b.passthrough(local.parent) as pt:
+                drop_caches()
+                res["passthrough_warm_rps"].append(args.reads / preads(pt / local.name, offsets, True))
             # Without the fadvise: what the kernel's own readahead widens a 4 KiB read to.
             m = b.mount()
             drop_caches()
@@ -92,6 +97,7 @@ def main() -> None:
         ratios = {
             "cold_rps_vs_boto3": med["tierfs_cold_rps"] / med["boto3_rps"],
             "warm_rps_vs_local_cold": med["tierfs_warm_rps"] / med["local_cold_rps"],
+            "warm_rps_vs_passthrough": med["tierfs_warm_rps"] / med["passthrough_warm_rps"],
             "cold_fetched_vs_requested": med["cold_fetched_vs_requested"],
         }
         for p in others:
