@@ -254,6 +254,7 @@ def large_folio_share(path: Path, limit: int = 64 * MiB) -> float | None:
     Why: a hot read is a copy out of the page cache, and its speed depends on
     the folio size: ext4 caches in large folios, while FUSE on the kernels we
     run keeps 4 KiB pages (the pyfuse3 passthrough reference shows the same)."""
+    import ctypes
     import mmap
     import struct
 
@@ -266,7 +267,7 @@ def large_folio_share(path: Path, limit: int = 64 * MiB) -> float | None:
         with mmap.mmap(fd, size, access=mmap.ACCESS_COPY) as m:
             for off in range(0, size, PAGE):
                 m[off]  # map the cached page (a page fault, no read: it is cached)
-            start = _mapping_start(m)
+            start = ctypes.addressof(ctypes.c_char.from_buffer(m))  # the view dies at once
             try:
                 with open("/proc/self/pagemap", "rb") as pm, open("/proc/kpageflags", "rb") as kf:
                     pm.seek(start // PAGE * 8)
@@ -285,17 +286,6 @@ def large_folio_share(path: Path, limit: int = 64 * MiB) -> float | None:
     finally:
         os.close(fd)
     return large / present if present else None
-
-
-def _mapping_start(m: object) -> int:
-    """Virtual address of an mmap object's mapping."""
-    import ctypes
-
-    buf = (ctypes.c_char * 1).from_buffer(m)  # type: ignore[arg-type]
-    try:
-        return ctypes.addressof(buf)
-    finally:
-        del buf
 
 
 @contextlib.contextmanager
