@@ -34,6 +34,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import trio
 
@@ -105,6 +106,13 @@ def _grown(window: int, min_window: int, max_window: int) -> int:
     return min(max(window * 2, min_window), max_window)
 
 
+class _Front(NamedTuple):
+    entry: Entry
+    end: int  # where the furthest sequential reader got to
+    window: int
+    seen: float  # monotonic time the front last moved
+
+
 class Fronts:
     """Each recently read entry's sequential front, shared by all its handles.
 
@@ -122,16 +130,16 @@ class Fronts:
 
     def __init__(self, behind: int) -> None:
         self.behind = behind  # how far behind the front a read still counts (landed memory)
-        self._fronts: OrderedDict[int, tuple[Entry, int, int, float]] = OrderedDict()
+        self._fronts: OrderedDict[int, _Front] = OrderedDict()
 
     def note(self, entry: Entry, end: int, window: int) -> None:
         """A read of `entry` ending at `end` continued a stream of its handle."""
         now = time.monotonic()
         prior = self._fronts.pop(id(entry), None)
-        if prior is not None and prior[0] is entry and now - prior[3] <= self.FRESH:
+        if prior is not None and prior.entry is entry and now - prior.seen <= self.FRESH:
             # The front is the furthest sequential reader, with the widest window.
-            end, window = max(end, prior[1]), max(window, prior[2])
-        self._fronts[id(entry)] = (entry, end, window, now)
+            end, window = max(end, prior.end), max(window, prior.window)
+        self._fronts[id(entry)] = _Front(entry, end, window, now)
         if len(self._fronts) > self.KEEP:
             self._fronts.popitem(last=False)
 
@@ -139,21 +147,20 @@ class Fronts:
         """If [off, end) lands near the front, the front moves to `end` and its
         window grows as a stream's would; that window is returned. Else 0."""
         front = self._fronts.get(id(entry))
-        if front is None or front[0] is not entry:
+        if front is None or front.entry is not entry:
             return 0
-        _, front_end, window, seen = front
         now = time.monotonic()
-        reach = max(window, min_window)
-        if now - seen > self.FRESH or not front_end - self.behind <= off <= front_end + reach:
+        reach = max(front.window, min_window)
+        if now - front.seen > self.FRESH or not front.end - self.behind <= off <= front.end + reach:
             return 0
-        if end - off <= SMALL_READ and not front_end <= off <= front_end + STREAM_GAP:
+        if end - off <= SMALL_READ and not front.end <= off <= front.end + STREAM_GAP:
             # Small and not at the front: a random read that landed near it by
             # chance (a loader's 4 KiB preads), not a relay's next piece, which
             # starts where the last one ended. Following it would read ahead and
             # stage whole parts for 4 KiB.
             return 0
-        window = _grown(window, min_window, max_window)
-        self._fronts[id(entry)] = (entry, max(end, front_end), window, now)
+        window = _grown(front.window, min_window, max_window)
+        self._fronts[id(entry)] = _Front(entry, max(end, front.end), window, now)
         self._fronts.move_to_end(id(entry))
         return window
 
