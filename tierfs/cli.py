@@ -390,5 +390,19 @@ def main(argv: list[str] | None = None) -> int:
         return die("interrupted", 130)
 
 
+def mount_helper(argv: list[str] | None = None) -> int:
+    """Entry point of the `mount.tierfs` console script."""
+    from tierfs.cli_ops import OpsError, helper_argv
+
+    try:
+        args = helper_argv(list(sys.argv[1:] if argv is None else argv))
+    except OpsError as exc:
+        return die(str(exc), 1)
+    if args is None:
+        return 0
+    # mount(8) expects 0 on success, 32 on a mount failure.
+    return 0 if main(args) == 0 else 32
+
+
 if __name__ == "__main__":
     sys.exit(main())

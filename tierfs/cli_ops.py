@@ -401,20 +401,6 @@ def helper_argv(argv: list[str]) -> list[str] | None:
     return None if a.f else out
 
 
-def mount_helper(argv: list[str] | None = None) -> int:
-    """Entry point of the `mount.tierfs` console script."""
-    from tierfs.cli import die, main
-
-    try:
-        args = helper_argv(list(sys.argv[1:] if argv is None else argv))
-    except OpsError as exc:
-        return die(str(exc), 1)
-    if args is None:
-        return 0
-    # mount(8) expects 0 on success, 32 on a mount failure.
-    return 0 if main(args) == 0 else 32
-
-
 def add_parsers(sub: Any, guarded: Callable[[Callable[[argparse.Namespace], int]],
                                              Callable[[argparse.Namespace], int]]) -> None:
     """Register warmup, cache, policy and config on cli.parser()'s subparsers."""

@@ -17,16 +17,15 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from tierfs.errors import ConfigError
+from tierfs.globs import glob_to_regex
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1 << 40, "p": 1 << 50}
-
-
-class ConfigError(ValueError):
-    """A bad option value; the message is shown to the user as one line."""
 
 
 def parse_size(text: str | int) -> int:
@@ -77,10 +76,14 @@ class ClassSettings:
 
 # The largest per-stream readahead window of the bulk classes. It matches the
 # default max_inflight: the read path keeps as many just-fetched bytes in memory
-# (reader.py, landed.py), so a sequential reader is served from memory; bytes
+# (read/reader.py, read/landed.py), so a sequential reader is served from memory; bytes
 # fetched further ahead than that are read back from tier 1 (a device read per
 # request: 384 vs 609 MB/s cold with 256 vs 64 MiB on the bench VM).
 READAHEAD = 64 * MiB
+
+# While the store is away: listings answered from the tier-1 index are retried
+# against the store after this many seconds, and the store is probed as often.
+DEGRADED_RETRY = 5.0
 
 # Bytes of direct writes acknowledged but not yet in tier 1, per mount
 # (queued_writes.py): enough to keep a 1 MiB writer from waiting on the apply.
@@ -503,8 +506,6 @@ def _interpret(doc: dict[str, Any], text: str, path: Path) -> dict[str, Any]:
     if not isinstance(rules_doc, list):
         raise fail(("rules",), "rules must be an array of tables ([[rules]] with glob and class)")
     rules: list[tuple[str, str]] = []
-    from tierfs.policy import glob_to_regex  # policy imports this module
-
     for i, r in enumerate(rules_doc):
         if not isinstance(r, dict):
             raise fail(("rules", i), f"rules[{i}] must be a table with glob and class")

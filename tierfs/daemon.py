@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +23,15 @@ import pyfuse3
 import trio
 
 from tierfs.cache import Cache, CacheBusy, CacheConflict, CacheUnwritable
-from tierfs.config import ConfigError, MountConfig, parse_listen_addr
+from tierfs.config import DEGRADED_RETRY, ConfigError, MountConfig, parse_listen_addr
 from tierfs.control import ControlError, ControlServer, publish, socket_path
 from tierfs.fs import TierFS
+from tierfs.health import StoreHealth
 from tierfs.metrics import Metrics
 from tierfs.namespace import Namespace
 from tierfs.ops import ControlOps
 from tierfs.policy import Policy
-from tierfs.reader import Reader
+from tierfs.read.reader import Reader
 from tierfs.sdnotify import notify
 from tierfs.store import open_store
 from tierfs.store.base import UNREACHABLE_KINDS, Store, StoreError
@@ -104,23 +106,17 @@ class Daemon:
         self.store: Store | None = None
         self.cache: Cache | None = None
         self.warnings: list[str] = []
-        self.start_degraded = False
+        self.health = StoreHealth(probe_every=DEGRADED_RETRY)
         self.metrics_url: str | None = None
         self._metrics_http: Any = None
         self.writeback: WriteBack | None = None
-        self.namespace: Namespace | None = None
         self.unsafe_manifests = False
 
     def _observe_store(self, op: str, outcome: str, seconds: float, nbytes: int) -> None:
-        """Every store request: metrics, and degraded mode when any operation (an
-        upload or a read, not only a listing) found the store down for a whole
-        deadline; Namespace.watch_store leaves it once the store answers.
-        Runs in worker threads: only a flag is set."""
+        """Every store request (worker threads): metrics, and degraded mode when any
+        operation (an upload or a read, not only a listing) found the store down."""
         self.metrics.store_request(op, outcome, seconds, nbytes)
-        ns = self.namespace
-        if ns is not None and outcome in UNREACHABLE_KINDS and not ns.degraded:
-            log.warning("store unreachable (%s failed: %s): degraded mode", op, outcome)
-            ns.degraded = True
+        self.health.observe(op, outcome)
 
     def prepare(self) -> None:
         """Every check that needs no mount; raises MountError with the reason."""
@@ -166,7 +162,7 @@ class Daemon:
             if exc.kind in UNREACHABLE_KINDS and had_data:
                 msg = f"{exc}; mounting in degraded mode from the cache in {cache_dir}"
                 self.warnings.append(msg)
-                self.start_degraded = True
+                self.health.mark_down(str(exc))
                 log.warning("%s", msg)
             else:
                 self.cache.close()
@@ -266,7 +262,7 @@ class Daemon:
             ops: TierFS
             ns = Namespace(
                 self.store, self.cache, policy, workers,
-                on_changed=lambda i: ops.invalidate(i), degraded=self.start_degraded,
+                health=self.health, on_changed=lambda i: ops.invalidate(i),
             )
             wb = self.writeback = WriteBack(
                 self.store, self.cache, policy, workers,
@@ -274,12 +270,11 @@ class Daemon:
                 max_uploads=cfg.max_parallel_uploads,
                 on_uploaded=ns.uploaded,
                 conditional=not self.unsafe_manifests,
+                health=self.health,
                 observe=self.metrics.writeback_event,
             )
             ns.overlay = wb
-            ns.on_store_back = wb.store_back
-            self.namespace = ns
-            nursery.start_soon(ns.watch_store)
+            nursery.start_soon(self.health.watch, partial(workers.meta, self.store.check))
             await wb.recover()
             nursery.start_soon(wb.run)
             ops = TierFS(

@@ -27,7 +27,8 @@ from tierfs.metrics import Metrics
 from tierfs.namespace import Namespace, Node
 from tierfs.policy import glob_to_regex
 from tierfs.queued_writes import QueuedWrites, WriteQueue
-from tierfs.reader import Reader, ReadState
+from tierfs.read.reader import Reader
+from tierfs.read.streams import ReadState
 from tierfs.store.base import ObjectInfo, StoreError
 from tierfs.writeback import WriteBack
 
@@ -123,7 +124,7 @@ class TierFS(pyfuse3.Operations):
         ns = int(node.mtime * 1e9)
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = ns
         ttl = node.settings.attr_ttl
-        if self.ns.degraded:
+        if self.ns.health.degraded:
             ttl = min(ttl, 5.0)
         a.attr_timeout = a.entry_timeout = min(ttl, 1e6)
         return a
@@ -227,7 +228,7 @@ class TierFS(pyfuse3.Operations):
         h = self._handles[fh]
         await self.queued.drain_entry(h.entry)
         started = time.perf_counter()
-        if self.ns.degraded and h.entry.state == "clean" and h.entry.missing_pages(off, off + size):
+        if self.ns.health.degraded and h.entry.state == "clean" and h.entry.missing_pages(off, off + size):
             # The store is known down: bytes tier 1 lacks fail at once, not after
             # another store deadline (the kernel retries a failed readahead with
             # a second read, which would double the caller's wait).
@@ -437,7 +438,7 @@ class TierFS(pyfuse3.Operations):
         if await self._exists(parent_inode, text):
             raise pyfuse3.FUSEError(errno.EEXIST)
         parent = self.ns.get(parent_inode)
-        await self.wb.make_dir(f"{parent.key}{text}/", store_down=self.ns.degraded)
+        await self.wb.make_dir(f"{parent.key}{text}/", store_down=self.ns.health.degraded)
         self.metrics.meta_op("mkdir")
         return self.attrs(self.ns.add(parent_inode, text, is_dir=True))
 

@@ -23,7 +23,8 @@ from typing import Any, Protocol
 import trio
 
 from tierfs.cache import Cache
-from tierfs.config import ClassSettings
+from tierfs.config import DEGRADED_RETRY, ClassSettings
+from tierfs.health import StoreHealth
 from tierfs.policy import Policy
 from tierfs.store.base import UNREACHABLE_KINDS, Listing, ObjectInfo, Store, StoreError
 from tierfs.workers import Workers
@@ -34,7 +35,6 @@ ROOT_INODE = 1
 NAME_MAX = 255
 # One open(2) is a lookup, an open and an fstat: the lookup's HEAD serves all three.
 STRICT_REUSE = 1.0
-DEGRADED_RETRY = 5.0  # seconds before a degraded listing is retried against the store
 
 
 @dataclass
@@ -49,6 +49,7 @@ class Node:
     attr_expire: float = 0.0  # monotonic deadline of the attributes
     children: dict[str, int] | None = None  # name -> inode, once listed
     children_expire: float = -math.inf
+    children_epoch: int = 0  # StoreHealth.epoch when listed: a return of the store voids it
     lookups: int = 0  # kernel references (lookup counts minus forgets)
     validated_at: float = -math.inf  # monotonic time of the last HEAD
 
@@ -104,17 +105,15 @@ class Namespace:
         policy: Policy,
         workers: Workers,
         *,
+        health: StoreHealth,
         on_changed: Callable[[int], None] = lambda inode: None,
-        degraded: bool = False,
-        on_store_back: Callable[[], None] = lambda: None,
     ) -> None:
         self.store = store
         self.cache = cache
         self.policy = policy
         self.workers = workers
         self.on_changed = on_changed
-        self.degraded = degraded
-        self.on_store_back = on_store_back
+        self.health = health
         self.overlay: LocalOverlay = _NoOverlay()
         self._nodes: dict[int, Node] = {}
         self._by_path: dict[str, int] = {}
@@ -179,6 +178,17 @@ class Namespace:
                 if node.is_dir:
                     node.children_expire = -math.inf
 
+    def _listing_stale(self, node: Node) -> bool:
+        return (
+            node.children is None
+            or time.monotonic() >= node.children_expire
+            or node.children_epoch != self.health.epoch
+        )
+
+    def expire_listing(self, node: Node) -> None:
+        """The next lookup or readdir of `node` lists it from the store again."""
+        node.children_expire = -math.inf
+
     def forget(self, items: Iterable[tuple[int, int]]) -> None:
         for inode, count in items:
             node = self._nodes.get(inode)
@@ -195,7 +205,7 @@ class Namespace:
     async def _fetch_listing(self, node: Node) -> Listing:
         """The store's listing; while the store is known to be down, the index's,
         at once (not after a store deadline per directory)."""
-        if not self.degraded:
+        if not self.health.degraded:
             try:
                 return await self.workers.meta(self.store.list_dir, node.key)
             except StoreError as exc:
@@ -205,26 +215,7 @@ class Namespace:
         return await self.workers.disk(self._listing_from_index, node.key)
 
     def _store_down(self, exc: StoreError) -> None:
-        if not self.degraded:
-            log.warning("store unreachable (%s): degraded mode, serving from the cache index", exc)
-        self.degraded = True
-
-    async def watch_store(self, interval: float = DEGRADED_RETRY) -> None:
-        """While degraded, probe the store in the background; leave degraded mode
-        (and re-list from the store) as soon as it answers."""
-        while True:
-            await trio.sleep(interval)
-            if not self.degraded:
-                continue
-            try:
-                await self.workers.meta(self.store.check)
-            except StoreError:
-                continue
-            log.info("store reachable again: leaving degraded mode")
-            self.degraded = False
-            for node in self._nodes.values():
-                node.children_expire = -math.inf
-            self.on_store_back()
+        self.health.mark_down(str(exc))
 
     def _listing_from_index(self, prefix: str) -> Listing:
         files: list[ObjectInfo] = []
@@ -287,11 +278,12 @@ class Namespace:
             self._apply_local(child, lf)
             children[name] = child.inode
         node.children = children
-        ttl = DEGRADED_RETRY if self.degraded else node.settings.list_ttl
+        ttl = DEGRADED_RETRY if self.health.degraded else node.settings.list_ttl
         node.children_expire = now + ttl
+        node.children_epoch = self.health.epoch
 
     async def _head(self, path: str) -> ObjectInfo | None:
-        if self.degraded:
+        if self.health.degraded:
             raise StoreError("store unreachable (degraded mode)", kind="unreachable")
         try:
             return await self.workers.meta(self.store.head, path)
@@ -312,11 +304,10 @@ class Namespace:
             raise OSError(errno.ENOENT, "no such entry")
         path = join(parent.path, name)
         settings = self.policy.settings(path)
-        now = time.monotonic()
         if settings.revalidate_on_open:
             node = await self._lookup_strict(parent, name, path)
         else:
-            if parent.children is None or now >= parent.children_expire:
+            if self._listing_stale(parent):
                 await self._refresh_children(parent)
             assert parent.children is not None
             inode = parent.children.get(name)
@@ -355,7 +346,7 @@ class Namespace:
             node.validated_at = time.monotonic()
         else:
             # Not an object; perhaps a prefix. A listing of the parent decides.
-            if parent.children is None or time.monotonic() >= parent.children_expire:
+            if self._listing_stale(parent):
                 await self._refresh_children(parent)
             assert parent.children is not None
             inode = parent.children.get(name)
@@ -400,7 +391,7 @@ class Namespace:
         node = self.get(inode)
         if not node.is_dir:
             raise OSError(errno.ENOTDIR, "not a directory")
-        if node.children is None or time.monotonic() >= node.children_expire:
+        if self._listing_stale(node):
             await self._refresh_children(node)
         assert node.children is not None
         return sorted((name, self._nodes[i]) for name, i in node.children.items())
@@ -411,14 +402,6 @@ class Namespace:
         return stat.S_IFREG | 0o644
 
     # -- changes made through this mount ----------------------------------------
-
-    def child(self, parent_inode: int, name: str) -> Node | None:
-        """The known child `name` (no store request), or None."""
-        parent = self.get(parent_inode)
-        if parent.children is None:
-            return None
-        inode = parent.children.get(name)
-        return None if inode is None else self._nodes[inode]
 
     def add(self, parent_inode: int, name: str, *, is_dir: bool, size: int = 0) -> Node:
         """Record a file or directory this mount created."""
@@ -431,6 +414,7 @@ class Namespace:
         node.attr_expire = time.monotonic() + node.settings.attr_ttl
         if is_dir and node.children is None:
             node.children, node.children_expire = {}, time.monotonic() + node.settings.list_ttl
+            node.children_epoch = self.health.epoch
         if parent.children is not None:
             parent.children[name] = node.inode
         node.lookups += 1

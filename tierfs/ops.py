@@ -24,7 +24,7 @@ from tierfs.control import Emit
 from tierfs.metrics import Metrics
 from tierfs.namespace import ROOT_INODE, Namespace, Node
 from tierfs.policy import Policy
-from tierfs.reader import Reader
+from tierfs.read.reader import Reader
 from tierfs.store.base import StoreError
 
 if TYPE_CHECKING:
@@ -231,7 +231,7 @@ class ControlOps:
             "mountpoint": str(cfg.mountpoint),
             "cache_dir": str(cfg.resolved_cache_dir()),
             "config_file": str(cfg.config_file) if cfg.config_file else None,
-            "degraded": self.ns.degraded,
+            "degraded": self.ns.health.degraded,
             "cache": {
                 "used_bytes": stats.used_bytes,
                 "capacity_bytes": stats.capacity,

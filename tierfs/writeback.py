@@ -32,6 +32,7 @@ from pathlib import Path
 import trio
 
 from tierfs.cache import Cache, Entry
+from tierfs.health import StoreHealth
 from tierfs.policy import Policy
 from tierfs.store.base import UNREACHABLE_KINDS, ObjectInfo, Store, StoreError
 from tierfs.workers import Workers
@@ -75,6 +76,7 @@ class WriteBack:
         on_uploaded: Callable[[str, ObjectInfo], None] = lambda key, info: None,
         observe: Callable[[str, int], None] = lambda what, n: None,
         conditional: bool = True,
+        health: StoreHealth,
     ) -> None:
         self.store = store
         self.cache = cache
@@ -89,7 +91,7 @@ class WriteBack:
         self.quarantined: list[dict[str, object]] = []
         self._send, self._recv = trio.open_memory_channel[str](math.inf)
         self._max_uploads = max_uploads
-        self._store_back = trio.Event()
+        self.health = health
 
     # -- recovery and the uploader ---------------------------------------------
 
@@ -165,7 +167,7 @@ class WriteBack:
                 log.warning("upload of %r failed (%s); retrying in %.1fs", key, exc, delay)
                 self.observe("upload_retry", 1)
                 with trio.move_on_after(delay):
-                    await self._store_back.wait()  # or sooner, once the store answers again
+                    await self.health.wait_back()  # or sooner, once the store answers again
 
     async def _upload_once(self, key: str, lf: LocalFile, *, closing: bool = False) -> ObjectInfo:
         """One upload attempt. `closing`: called by the writer's own close (write-through)."""
@@ -235,11 +237,6 @@ class WriteBack:
             self.cache.release(entry)
 
     # -- what fs.py calls ------------------------------------------------------
-
-    def store_back(self) -> None:
-        """The store answers again after an outage: retry waiting uploads now."""
-        self._store_back.set()
-        self._store_back = trio.Event()
 
     def note_dirty(self, key: str, size: int) -> LocalFile:
         """A file is being written: it now exists only here until uploaded."""

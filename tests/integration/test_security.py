@@ -26,6 +26,7 @@ from tests.support.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedServer
 from tierfs.cache import Cache
 from tierfs.config import DEFAULT_CLASSES, DEFAULT_RULES
 from tierfs.control import socket_path
+from tierfs.health import StoreHealth
 from tierfs.namespace import Namespace
 from tierfs.policy import Policy
 from tierfs.store.base import Listing, ObjectInfo
@@ -180,7 +181,8 @@ def test_hostile_keys_in_a_listing_are_skipped_or_served_safely(tmp_path: Path) 
     cache.bind("test|hostile")
     try:
         ns = Namespace(store=None, cache=cache, policy=Policy(DEFAULT_RULES, DEFAULT_CLASSES, "default"),  # type: ignore[arg-type]
-                       workers=Workers(data_threads=1, meta_threads=1, disk_threads=1))
+                       workers=Workers(data_threads=1, meta_threads=1, disk_threads=1),
+                       health=StoreHealth(probe_every=5.0))
         root = ns.get(1)
 
         def info(key: str) -> ObjectInfo:

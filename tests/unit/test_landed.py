@@ -6,7 +6,7 @@ import os
 
 from tierfs.cache import Cache
 from tierfs.cache.directio import ALIGN, BufferPool, aligned_buffer, is_aligned
-from tierfs.landed import LandedParts
+from tierfs.read.landed import LandedParts
 
 KiB = 1 << 10
 CS = 64 * KiB

@@ -10,7 +10,8 @@ import pytest
 import trio
 
 from tierfs.cache import Cache
-from tierfs.reader import SMALL_READ, STREAM_SLACK, Reader, ReadState
+from tierfs.read.reader import Reader
+from tierfs.read.streams import SMALL_READ, STREAM_SLACK, ReadState
 from tierfs.workers import Workers
 
 KiB, MiB = 1 << 10, 1 << 20
