@@ -28,7 +28,6 @@ def p99(xs: list[float]) -> float:
     return sorted(xs)[min(len(xs) - 1, int(len(xs) * 0.99))]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: the seal holds the entry lock across fsync")
 def test_reads_and_stats_answer_while_a_1gib_file_is_sealed(
     mount_factory: MountFactory, bucket: str, tmp_path: Path
 ) -> None:

@@ -150,9 +150,11 @@ class Reader:
         """One attempt at answering [off, end): a small read from tier 1's pages, a
         big one (into `buf`) from landed memory or else from tier 1."""
         if buf is None:
-            if not fetched:
-                # A few KiB from tier 1: cheaper on the loop than a thread hop
-                # (warm random 4 KiB reads: ~1,350 -> ~3,800 reads/s in bench/randread.py).
+            if not fetched and entry.servable_now(off, end):
+                # A few KiB from tier 1 with nothing to verify: cheaper on the loop
+                # than a thread hop (warm random 4 KiB reads: ~1,350 -> ~3,800
+                # reads/s in bench/randread.py). Anything more (a chunk's first
+                # verification: a 1 MiB hash and an index read) goes to a worker.
                 return entry.read_pages(off, end - off)
             return await self.workers.disk(entry.read_pages, off, end - off)
         part = self._landed.pin(entry, off, end)
