@@ -16,7 +16,7 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from tierfs.daemon import set_kernel_readahead
+from tierfs.kernel import set_kernel_readahead
 
 
 class Passthrough(pyfuse3.Operations):

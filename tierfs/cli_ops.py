@@ -115,6 +115,10 @@ def print_status(st: dict[str, Any]) -> None:
                   f"oldest {_duration(p.get('oldest_age_s')) if p.get('count') else '-'}")
     else:
         t.add_row("pending uploads", "0 (no write path)")
+    mem = st.get("memory") or {}
+    if mem:
+        t.add_row("memory", f"{human(mem['used'])} of {human(mem['budget'])} budget in flight "
+                  f"(peak {human(mem['peak'])})")
     q = st.get("quarantined") or {}
     qn = q.get("count", 0) if isinstance(q, dict) else q
     t.add_row("quarantined", f"{qn} file(s)" + (f" in {st['cache_dir']}/quarantine" if qn else ""))

@@ -85,6 +85,40 @@ READAHEAD = 64 * MiB
 # against the store after this many seconds, and the store is probed as often.
 DEGRADED_RETRY = 5.0
 
+# FUSE requests served at once (pyfuse3.main min_tasks, max_tasks), and reply
+# buffers of big reads kept for reuse (about the kernel's max_background reads).
+FUSE_TASKS = (4, 64)
+SERVE_BUFFERS_KEPT = 64
+
+# While the store is away, the kernel caches attributes no longer than this.
+DEGRADED_ATTR_TTL = 5.0
+LOG_EVERY = 10.0  # seconds between log lines of one kind of error returned to callers
+
+# Store access. A ranged GET or upload part: each request costs ~2 ms of botocore
+# CPU and the server its own share: 16 MiB parts read a cold 2 GiB object at
+# 0.78x raw boto3 where 8 MiB parts managed 0.71x (bench VM, 3 runs each).
+PART_SIZE = 16 * MiB
+CONNECT_TIMEOUT = 5.0
+READ_TIMEOUT = 30.0
+DEADLINE = 30.0  # per store operation, retries included
+MAX_CONNECTIONS = 64  # HTTP connections kept to the store (>= worker threads that use it)
+
+# Tier 1.
+CHUNK_SIZE = 1 * MiB
+MIN_FREE = 1 * GiB  # free-space floor on the cache filesystem
+
+# Uploads. A failed upload is retried with backoff up to this many seconds apart
+# (sooner once the store answers again); one that lands but does not verify is
+# retried this many times, then quarantined.
+UPLOAD_RETRY_CAP = 30.0
+UPLOAD_VERIFY_ATTEMPTS = 3
+
+# The flush barrier (tierfs flush, umount): a file closed just before it started
+# gets this long for its RELEASE (which the kernel sends after close(2)
+# returned); a flush gives up once nothing moved for FLUSH_STALL seconds.
+RELEASE_GRACE = 3.0
+FLUSH_STALL = 60.0
+
 # Bytes of direct writes acknowledged but not yet in tier 1, per mount
 # (queued_writes.py): enough to keep a 1 MiB writer from waiting on the apply.
 QUEUED_WRITES = 32 * MiB
@@ -166,21 +200,23 @@ class MountConfig:
     metrics_allow_remote: bool = False
 
     # store
-    # Ranged GET / multipart part. Each request costs ~2 ms of botocore CPU and
-    # the server its own share: 16 MiB parts read a cold 2 GiB object at 0.78x
-    # raw boto3 where 8 MiB parts managed 0.71x (bench VM, 3 runs each).
-    part_size: int = 16 * MiB
+    part_size: int = PART_SIZE  # ranged GET / multipart part
     max_parallel_gets: int = 16
-    max_parallel_puts: int = 8  # multipart parts in flight per upload
+    max_parallel_puts: int = 8  # upload parts in flight, all uploads together (own slots)
     max_parallel_uploads: int = 2  # files uploading at once
-    connect_timeout: float = 5.0
-    read_timeout: float = 30.0
-    deadline: float = 30.0  # per store operation, retries included
-    mount_check_timeout: float = 8.0  # how long `tierfs mount` waits for the store
+    meta_threads: int = 16  # HEAD/LIST/DELETE/COPY in flight
+    disk_threads: int = 8  # tier-1 I/O and index updates in flight
+    connect_timeout: float = CONNECT_TIMEOUT
+    read_timeout: float = READ_TIMEOUT
+    deadline: float = DEADLINE
+
+    # Every byte held in flight (GET buffers, landed parts, FUSE read replies,
+    # upload part buffers, queued writes), shared by reads and uploads (budget.py).
+    memory_budget: int = 256 * MiB
 
     # cache
-    chunk_size: int = 1 * MiB
-    min_free: int = 1 * GiB  # free-space floor on the cache filesystem
+    chunk_size: int = CHUNK_SIZE
+    min_free: int = MIN_FREE
 
     # read path
     readahead_min: int = 1 * MiB
@@ -199,9 +235,6 @@ class MountConfig:
 
     def resolved_cache_dir(self) -> Path:
         return self.cache_dir or cache_dir_for(self.source, self.endpoint_url)
-
-    def with_overrides(self, **kw: object) -> MountConfig:
-        return replace(self, **{k: v for k, v in kw.items() if v is not None})
 
 
 # -- metrics address -------------------------------------------------------------
@@ -346,6 +379,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("read", "readahead"): ("readahead", _want_size),  # every class's, unless set there
     ("read", "readahead_min"): ("readahead_min", _want_pos_size),
     ("read", "max_inflight"): ("max_inflight_bytes", _want_pos_size),
+    ("memory", "budget"): ("memory_budget", _want_pos_size),
     ("read", "kernel_read_ahead_kb"): ("kernel_read_ahead_kb", _want_pos_int),
     ("read", "prefetch_globs"): ("prefetch_globs", _want_globs),
     ("read", "prefetch_min_size"): ("prefetch_min_size", _want_size),

@@ -16,9 +16,9 @@ import logging
 import math
 import stat
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import trio
 
@@ -61,19 +61,18 @@ class Node:
         return self.path
 
 
+class LocalFile(Protocol):
+    size: int
+    mtime: float
+
+
 class LocalOverlay(Protocol):
-    """Files that exist only on this node (written, not yet uploaded)."""
+    """Files that exist only on this node (written, not yet uploaded): the write
+    path's journal (writeback/journal.py)."""
 
-    local: dict[str, Any]  # key -> object with .size and .mtime
+    def local_file(self, key: str) -> LocalFile | None: ...
 
-    def local_children(self, prefix: str) -> tuple[dict[str, Any], set[str]]: ...
-
-
-class _NoOverlay:
-    local: dict[str, Any] = {}
-
-    def local_children(self, prefix: str) -> tuple[dict[str, Any], set[str]]:
-        return {}, set()
+    def local_children(self, prefix: str) -> tuple[Mapping[str, LocalFile], set[str]]: ...
 
 
 @dataclass
@@ -106,15 +105,18 @@ class Namespace:
         workers: Workers,
         *,
         health: StoreHealth,
-        on_changed: Callable[[int], None] = lambda inode: None,
+        overlay: LocalOverlay,
+        on_changed: Callable[[int], None],
+        on_gone: Callable[[int, str], None],
     ) -> None:
         self.store = store
         self.cache = cache
         self.policy = policy
         self.workers = workers
-        self.on_changed = on_changed
         self.health = health
-        self.overlay: LocalOverlay = _NoOverlay()
+        self.overlay = overlay
+        self.on_changed = on_changed  # an inode's object changed: drop the kernel's pages
+        self.on_gone = on_gone  # a name the kernel may remember is gone
         self._nodes: dict[int, Node] = {}
         self._by_path: dict[str, int] = {}
         self._next_inode = ROOT_INODE + 1
@@ -165,7 +167,7 @@ class Namespace:
         node.attr_expire = now + node.settings.attr_ttl
         return node
 
-    def _apply_local(self, node: Node, lf: Any) -> None:
+    def _apply_local(self, node: Node, lf: LocalFile) -> None:
         node.size, node.mtime, node.etag = lf.size, lf.mtime, ""
         node.attr_expire = time.monotonic() + node.settings.attr_ttl
 
@@ -320,7 +322,7 @@ class Namespace:
     async def _lookup_strict(self, parent: Node, name: str, path: str) -> Node:
         """Manifest-class lookup: the store's word, never the listing cache
         (unless the file is being written here: then ours)."""
-        lf = self.overlay.local.get(path)
+        lf = self.overlay.local_file(path)
         if lf is not None:
             node = self._node_for(path, False)
             self._apply_local(node, lf)
@@ -370,7 +372,7 @@ class Namespace:
         """HEAD a file and take what the store says; ENOENT if it is gone.
         A file written on this node and not yet uploaded is its own truth; a HEAD
         within STRICT_REUSE seconds (the lookup of this same open) is reused."""
-        lf = self.overlay.local.get(node.path)
+        lf = self.overlay.local_file(node.path)
         if lf is not None:
             self._apply_local(node, lf)
             return
@@ -401,7 +403,45 @@ class Namespace:
             return stat.S_IFDIR | 0o755
         return stat.S_IFREG | 0o644
 
+    def size_mtime(self, node: Node) -> tuple[int, float]:
+        """A file's size and mtime: its local bytes' if it is being written here."""
+        lf = None if node.is_dir else self.overlay.local_file(node.path)
+        return (node.size, node.mtime) if lf is None else (lf.size, lf.mtime)
+
+    async def refresh(self, key: str) -> ObjectInfo:
+        """The store's current version of `key` (a HEAD, whatever was cached)."""
+        info = await self._head(key)
+        if info is None:
+            raise OSError(errno.ENOENT, f"{key}: no longer in the store")
+        inode = self._by_path.get(key)
+        if inode is not None and not self._nodes[inode].is_dir:
+            node = self._apply_info(self._nodes[inode], info, time.monotonic())
+            node.validated_at = time.monotonic()
+        return info
+
     # -- changes made through this mount ----------------------------------------
+
+    def set_mtime(self, node: Node, mtime: float) -> None:
+        node.mtime = mtime
+
+    def local_dropped(self, key: str) -> None:
+        """A file's local bytes are gone (never acknowledged, or refused): what the
+        store has shows again, and a name it never had goes."""
+        inode = self._by_path.get(key)
+        if inode is None:
+            return
+        node = self._nodes[inode]
+        if node.is_dir:
+            return
+        if node.etag:
+            node.attr_expire = node.validated_at = -math.inf  # ask the store next time
+            self.on_changed(node.inode)
+            return
+        parent_path, _, name = key.rpartition("/")
+        parent_inode = self._by_path.get(parent_path)
+        if parent_inode is not None:
+            self.remove(parent_inode, name)
+            self.on_gone(parent_inode, name)
 
     def add(self, parent_inode: int, name: str, *, is_dir: bool, size: int = 0) -> Node:
         """Record a file or directory this mount created."""
@@ -426,7 +466,7 @@ class Namespace:
         if parent.children is not None:
             parent.children.pop(name, None)
         inode = self._by_path.pop(path, None)
-        if inode is not None:
+        if inode is not None and self._nodes[inode].is_dir:  # a file has nothing below it
             for sub in [p for p in self._by_path if p.startswith(path + "/")]:
                 del self._by_path[sub]
 
@@ -441,7 +481,8 @@ class Namespace:
         if inode is None:
             dst.children_expire = -math.inf  # unknown here: the next lookup re-lists
             return
-        for path in sorted(p for p in self._by_path if p == old_path or p.startswith(old_path + "/")):
+        below = (p for p in self._by_path if p.startswith(old_path + "/")) if self._nodes[inode].is_dir else ()
+        for path in sorted([old_path, *below]):
             moved = self._by_path.pop(path)
             node = self._nodes[moved]
             node.path = new_path + path[len(old_path):]
@@ -451,9 +492,20 @@ class Namespace:
             dst.children[new_name] = inode
 
     def uploaded(self, key: str, info: ObjectInfo) -> None:
-        """A local file landed in the store: take its store attributes quietly."""
+        """A local file landed in the store: take its store attributes quietly (and
+        show its name, if a cached listing of its directory lacks it: a file put
+        back from quarantine)."""
         inode = self._by_path.get(key)
         if inode is not None:
             node = self._nodes[inode]
             node.size, node.mtime, node.etag = info.size, info.mtime, info.etag
             node.attr_expire = time.monotonic() + node.settings.attr_ttl
+            return
+        parent_path, _, name = key.rpartition("/")
+        parent_inode = self._by_path.get(parent_path)
+        if parent_inode is None or not valid_name(name):
+            return
+        parent = self._nodes[parent_inode]
+        if parent.is_dir and parent.children is not None:
+            node = self._apply_info(self._node_for(key, False), info, time.monotonic())
+            parent.children[name] = node.inode

@@ -43,7 +43,6 @@ def wait_not_degraded(m: TierfsMount, timeout: float = 30) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15.4: not fixed yet")
 def test_refused_upload_is_quarantined_then_retried_on_request(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, proxy: FaultProxy,
     tmp_path: Path,
@@ -74,7 +73,6 @@ def test_refused_upload_is_quarantined_then_retried_on_request(
     assert (m.mountpoint / "a.pt").read_bytes() == data
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15.4: not fixed yet")
 def test_umount_shows_what_it_waits_for_and_gives_up(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, proxy: FaultProxy,
     tmp_path: Path,
@@ -102,7 +100,6 @@ def test_umount_shows_what_it_waits_for_and_gives_up(
     assert m.umount().returncode == 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15.5: not fixed yet")
 def test_write_through_close_in_an_outage_fails_and_nothing_lands_later(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, proxy: FaultProxy,
     tmp_path: Path,

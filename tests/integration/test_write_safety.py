@@ -52,7 +52,6 @@ def uploads(m: TierfsMount) -> float:
     return sum(sum(by.values()) for op, by in reqs.items() if op in ("put", "multipart"))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15.1: not fixed yet")
 def test_flush_after_safetensors_saves_is_a_barrier(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
 ) -> None:
@@ -77,7 +76,6 @@ def test_flush_after_safetensors_saves_is_a_barrier(
     assert keys(s3_server, bucket) == ["model.safetensors"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15.2: not fixed yet")
 def test_unlinked_while_open_stays_usable_and_is_never_uploaded(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
 ) -> None:
@@ -132,7 +130,6 @@ def test_unlinked_while_open_stays_usable_and_is_never_uploaded(
     assert m.status()["quarantined"]["files"] == []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15.4: not fixed yet")
 def test_refused_upload_is_quarantined_and_flush_umount_fail_fast(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
 ) -> None:
@@ -172,7 +169,6 @@ def test_refused_upload_is_quarantined_and_flush_umount_fail_fast(
     assert keys(s3_server, bucket) == []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15.4: not fixed yet")
 def test_key_too_long_for_the_store_is_not_retried_forever(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
 ) -> None:
@@ -193,7 +189,6 @@ def test_key_too_long_for_the_store_is_not_retried_forever(
     assert note["key"].endswith("x" * 40 + ".pt")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15.5: not fixed yet")
 def test_write_through_close_with_another_writer_open_is_uploaded(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
 ) -> None:
@@ -217,7 +212,6 @@ def test_write_through_close_with_another_writer_open_is_uploaded(
     assert pending["open_for_write"] == 0 and pending["count"] == 0, pending
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15.5: not fixed yet")
 def test_write_through_close_refused_by_the_store_fails_and_nothing_lands(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
 ) -> None:

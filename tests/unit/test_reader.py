@@ -9,8 +9,9 @@ import time
 import pytest
 import trio
 
+from tierfs.budget import BufferPool, MemoryBudget
 from tierfs.cache import Cache
-from tierfs.read.reader import Reader
+from tierfs.read.reader import SERVE_BUFFER, Reader
 from tierfs.read.streams import SMALL_READ, STREAM_SLACK, ReadState
 from tierfs.workers import Workers
 
@@ -92,8 +93,14 @@ class FakeStore:
 
 
 
-def make_reader(store: FakeStore, nursery: trio.Nursery) -> Reader:
-    return Reader(store, Workers(4, 1, 4), nursery, part_size=PART, readahead_min=CS)  # type: ignore[arg-type]
+def make_reader(store: FakeStore, nursery: trio.Nursery, *, part: int = PART,
+                landed_bytes: int = 64 << 20) -> Reader:
+    budget = MemoryBudget(256 << 20)
+    return Reader(
+        store, Workers(data=4, upload=1, meta=1, disk=4), nursery,  # type: ignore[arg-type]
+        budget=budget, parts=BufferPool(budget, part, keep=8),
+        serve=BufferPool(budget, SERVE_BUFFER, keep=8), part_size=part, readahead_min=CS,
+        observe_read=lambda tier, n: None, prefetch_parallel=4, landed_bytes=landed_bytes)
 
 
 async def test_claim_splits_into_parts_and_shares_flights(cache: Cache) -> None:
@@ -232,8 +239,7 @@ async def test_bytes_that_just_landed_are_served_from_memory(cache: Cache, monke
 
     monkeypatch.setattr(e, "read_into", counted)  # observe which path served a read
     async with trio.open_nursery() as n:
-        r = Reader(store, Workers(4, 1, 4), n, part_size=part, readahead_min=CS,  # type: ignore[arg-type]
-                   landed_bytes=2 * part)
+        r = make_reader(store, n, part=part, landed_bytes=2 * part)
         st = ReadState()
         assert bytes(await r.read(e, st, 0, part, part)) == data[:part]
         assert bytes(await r.read(e, st, part, part, part)) == data[part : 2 * part]

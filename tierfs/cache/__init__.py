@@ -45,6 +45,7 @@ from tierfs.cache.index import (
 )
 from tierfs.cache.objects import ChunkCorrupt, Entry, nchunks
 from tierfs.cache.space import punch_hole
+from tierfs.config import CHUNK_SIZE, MIN_FREE
 
 FREE_RECHECK = 0.5  # seconds between statvfs calls of the free-space floor
 FREE_RECHECK_BYTES = 64 << 20  # ...or sooner, after this much growth of our own
@@ -100,8 +101,8 @@ class Cache:
         root: Path | str,
         *,
         capacity: int,
-        chunk_size: int = 1 << 20,
-        min_free: int = 1 << 30,
+        chunk_size: int = CHUNK_SIZE,
+        min_free: int = MIN_FREE,
     ) -> None:
         if capacity <= 0 or chunk_size <= 0 or min_free < 0:
             raise ValueError("capacity and chunk_size must be positive, min_free not negative")
@@ -120,8 +121,8 @@ class Cache:
                 if wt.meta(b"version") is None:
                     wt.set_meta(b"version", FORMAT_VERSION.to_bytes(4, "big"))
                     wt.set_meta(b"chunk_size", chunk_size.to_bytes(8, "big"))
-                version = int.from_bytes(wt.meta(b"version"), "big")
-                self.chunk_size = int.from_bytes(wt.meta(b"chunk_size"), "big")
+                version = int.from_bytes(wt.meta(b"version") or b"", "big")
+                self.chunk_size = int.from_bytes(wt.meta(b"chunk_size") or b"", "big")
                 identity = wt.meta(b"identity")
             if version != FORMAT_VERSION:
                 raise CacheUnwritable(
@@ -287,6 +288,18 @@ class Cache:
         unknown. Not a use for eviction (the uploader and recovery open this way)."""
         return self._acquire(key, None, touch=False)
 
+    def held(self, key: str) -> Entry | None:
+        """The entry of `key` if it is open right now (a reference is taken: release
+        it), else None. Not a use for eviction."""
+        kh = key_hash(key)
+        with self._lock:
+            while kh in self._busy:
+                self._cond.wait()
+            e = self._open.get(kh)
+            if e is not None:
+                e._refs += 1
+            return e
+
     def reclaim(self) -> None:
         """Evict clean data until within capacity and above the free-space floor
         (before retrying a local write that hit ENOSPC)."""
@@ -390,6 +403,7 @@ class Cache:
                     self._page_stash.pop(rec.fid, None)
                 with self.index.write() as wt:
                     cur = wt.record(kh)
+                    assert cur is not None  # the key is claimed: nobody else drops it
                     wt.drop_all_chunks(rec.fid)
                     rec = replace(cur, cached=0)
                     wt.put(kh, cur, rec)

@@ -117,16 +117,16 @@ def _preadv(fd: int, buf: memoryview, offset: int) -> int:
 
 def _runs(indexes: Iterable[int]) -> Iterator[tuple[int, int]]:
     """Coalesce chunk indexes into half-open runs [a, b)."""
-    start = prev = None
+    run: list[int] | None = None  # [start, end)
     for i in sorted(indexes):
-        if prev is not None and i == prev + 1:
-            prev = i
+        if run is not None and i == run[1]:
+            run[1] = i + 1
             continue
-        if start is not None:
-            yield start, prev + 1
-        start = prev = i
-    if start is not None:
-        yield start, prev + 1
+        if run is not None:
+            yield run[0], run[1]
+        run = [i, i + 1]
+    if run is not None:
+        yield run[0], run[1]
 
 
 def nchunks(size: int, chunk_size: int) -> int:
@@ -368,6 +368,15 @@ class Entry:
             view = buf[offset - a : max(offset - a, min(got, offset - a + n))]
             check(view)
             return view
+
+    def readinto(self, offset: int, buf: memoryview) -> int:
+        """`read` of len(buf) bytes into `buf` (any buffer; clipped at EOF): the bytes read."""
+        with self._serving(offset, len(buf)) as (n, check):
+            if not n:
+                return 0
+            got = _preadv(self._fd, buf[:n], offset)
+            check(buf[:got])
+            return got
 
     def _direct_fd(self) -> int:
         with self._mu:

@@ -29,11 +29,13 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import trio
 
+from tierfs.budget import BufferPool, MemoryBudget
 from tierfs.cache import ChunkCorrupt, Entry
-from tierfs.cache.directio import ALIGN, BufferPool
+from tierfs.cache.directio import ALIGN
 from tierfs.cache.objects import PAGE
 from tierfs.read.landed import LandedParts
 from tierfs.read.streams import SMALL_READ, Fronts, ReadState
@@ -44,7 +46,6 @@ log = logging.getLogger(__name__)
 
 SIZE_LOG_AFTER = 1024  # log the FUSE read size histogram once, after this many reads
 SERVE_BUFFER = (1 << 20) + 2 * ALIGN  # a 1 MiB FUSE read at any offset, aligned for O_DIRECT
-SERVE_BUFFERS_KEPT = 64  # about the kernel's max_background reads in flight
 
 
 class _Flight:
@@ -58,21 +59,29 @@ class _Flight:
 
 
 class Reader:
+    """Every buffer it holds comes from the memory budget: part buffers (`parts`,
+    part_size each: GETs in flight, landed, staged), reply buffers of big reads
+    (`serve`, SERVE_BUFFER each) and the bytes of small page reads."""
+
     def __init__(
         self,
         store: Store,
         workers: Workers,
         nursery: trio.Nursery,
         *,
+        budget: MemoryBudget,
+        parts: BufferPool,
+        serve: BufferPool,
         part_size: int,
         readahead_min: int,
-        observe_read: Callable[[str, int], None] = lambda tier, n: None,
-        prefetch_parallel: int = 4,
-        landed_bytes: int = 64 << 20,
+        observe_read: Callable[[str, int], None],
+        prefetch_parallel: int,
+        landed_bytes: int,
     ) -> None:
         self.store = store
         self.workers = workers
         self.nursery = nursery
+        self.budget = budget
         self.part_size = part_size
         self.readahead_min = readahead_min
         self.observe_read = observe_read
@@ -82,13 +91,9 @@ class Reader:
         # (entry identity, page index) -> flight fetching that page for a small read
         self._page_flights: dict[tuple[int, int], _Flight] = {}
         self._prefetching: set[int] = set()  # entries with a prefetch_object running
-        # Part buffers: one per GET in flight (data threads) plus the landed ones;
-        # no more than that many are kept idle.
-        self._part_buffers = BufferPool(
-            part_size, keep=workers.data_limiter.total_tokens + landed_bytes // part_size
-        )
-        self._serve_buffers = BufferPool(SERVE_BUFFER, keep=SERVE_BUFFERS_KEPT)
-        self._landed = LandedParts(self._part_buffers, landed_bytes)
+        self._part_buffers = parts
+        self._serve_buffers = serve
+        self._landed = LandedParts(parts, landed_bytes)
         self._staging: set[tuple[int, int]] = set()  # (entry identity, part start) loading
         self._fronts = Fronts(landed_bytes)
         self.request_sizes: Counter[int] = Counter()  # FUSE read sizes seen (KiB, rounded up)
@@ -122,25 +127,27 @@ class Reader:
             fetched = await self.ensure(entry, off, end, whole_parts=window > 0)
         if window:
             self.prefetch(entry, end, min(end + window, entry.size))
-        buf = None if small else self._serve_buffers.take(end - off + 2 * ALIGN)
-        try:
-            for _ in range(3):
-                try:
-                    data = await self._serve(entry, off, end, buf, window=window, fetched=fetched)
-                    break
-                except ChunkCorrupt as exc:
-                    log.warning("cache chunk(s) %s of %r failed checksum: refetching", exc.chunks, entry.key)
-                except KeyError:
-                    pass  # chunks given up to eviction between fetch and read (tiny cache)
-                if small:
-                    fetched = await self.ensure_pages(entry, off, end) or fetched
-                else:
-                    fetched = await self.ensure(entry, off, end, whole_parts=False) or fetched
+        for _ in range(3):
+            # The reply buffer is held only while serving, never while fetching:
+            # a fetch waiting for memory must not wait on buffers of reads that
+            # wait for fetches.
+            buf = None if small else await self._serve_buffers.take(end - off + 2 * ALIGN)
+            try:
+                data = await self._serve(entry, off, end, buf, window=window, fetched=fetched)
+                break
+            except ChunkCorrupt as exc:
+                log.warning("cache chunk(s) %s of %r failed checksum: refetching", exc.chunks, entry.key)
+            except KeyError:
+                pass  # chunks given up to eviction between fetch and read (tiny cache)
+            finally:
+                if buf is not None:
+                    self._serve_buffers.give(buf)
+            if small:
+                fetched = await self.ensure_pages(entry, off, end) or fetched
             else:
-                raise OSError(errno.EIO, "cache keeps returning corrupt data")
-        finally:
-            if buf is not None:
-                self._serve_buffers.give(buf)
+                fetched = await self.ensure(entry, off, end, whole_parts=False) or fetched
+        else:
+            raise OSError(errno.EIO, "cache keeps returning corrupt data")
         self.observe_read("store" if fetched else "cache", len(data))
         return data
 
@@ -243,8 +250,12 @@ class Reader:
         return flight
 
     async def _fetch_pages(self, entry: Entry, p0: int, p1: int, flight: _Flight) -> None:
-        await self._fly(self._get_and_store_pages, entry, p0 * PAGE, min(p1 * PAGE, entry.size),
-                        flight, self._page_flights, PAGE)
+        a, b = p0 * PAGE, min(p1 * PAGE, entry.size)
+        await self.budget.take(b - a)
+        try:
+            await self._fly(self._get_and_store_pages, entry, a, b, flight, self._page_flights, PAGE)
+        finally:
+            self.budget.give(b - a)
 
     def _get_and_store_pages(self, entry: Entry, a: int, b: int) -> None:
         buf = memoryview(bytearray(b - a))
@@ -281,14 +292,15 @@ class Reader:
 
     async def _stage_part(self, entry: Entry, a: int, b: int) -> None:
         try:
-            await self.workers.disk(self._load_part, entry, a, b)
+            buf = self._part_buffers.take_now(b - a)  # optional work: only with memory to spare
+            if buf is not None:
+                await self.workers.disk(self._load_part, buf, entry, a, b)
         except Exception as exc:  # the read needing these bytes reads tier 1 itself
             log.debug("staging [%d, %d) of %r: %s", a, b, entry.key, exc)
         finally:
             self._staging.discard((id(entry), a))
 
-    def _load_part(self, entry: Entry, a: int, b: int) -> None:
-        buf = self._part_buffers.take(b - a)
+    def _load_part(self, buf: memoryview, entry: Entry, a: int, b: int) -> None:
         try:
             if len(entry.read_into(a, b - a, buf)) != b - a:  # aligned `a`: lands at buf[0]
                 raise KeyError(f"{entry.key!r}: short tier-1 read")
@@ -401,7 +413,14 @@ class Reader:
         return out
 
     async def _fetch(self, entry: Entry, a: int, b: int, flight: _Flight) -> None:
-        await self._fly(self._get_and_store, entry, a, b, flight, self._flights, entry.chunk_size)
+        try:
+            buf = await self._part_buffers.take(b - a)
+        except BaseException:
+            self._settle(flight, entry, a, b, self._flights, entry.chunk_size,
+                         OSError(errno.EIO, "fetch cancelled: daemon stopping"))
+            raise
+        await self._fly(partial(self._get_and_store, buf), entry, a, b, flight, self._flights,
+                        entry.chunk_size)
 
     async def _fly(
         self,
@@ -415,22 +434,30 @@ class Reader:
     ) -> None:
         """Run one fetch in a worker; waiters learn its outcome; its claims on
         `table` (units of `unit` bytes) are released whatever happens."""
+        error: BaseException | None = None
         try:
             await self.workers.data(fetch, entry, a, b)
         except Exception as exc:
-            flight.error = _as_oserror(exc)
+            error = _as_oserror(exc)
         except BaseException:
-            flight.error = OSError(errno.EIO, "fetch cancelled: daemon stopping")
+            error = OSError(errno.EIO, "fetch cancelled: daemon stopping")
             raise
         finally:
-            ident = id(entry)
-            for u in range(a // unit, -(-b // unit)):
-                if table.get((ident, u)) is flight:
-                    del table[(ident, u)]
-            flight.done.set()
+            self._settle(flight, entry, a, b, table, unit, error)
 
-    def _get_and_store(self, entry: Entry, a: int, b: int) -> None:
-        buf = self._part_buffers.take(b - a)
+    @staticmethod
+    def _settle(
+        flight: _Flight, entry: Entry, a: int, b: int, table: dict[tuple[int, int], _Flight],
+        unit: int, error: BaseException | None,
+    ) -> None:
+        flight.error = error
+        ident = id(entry)
+        for u in range(a // unit, -(-b // unit)):
+            if table.get((ident, u)) is flight:
+                del table[(ident, u)]
+        flight.done.set()
+
+    def _get_and_store(self, buf: memoryview, entry: Entry, a: int, b: int) -> None:
         try:
             view = buf[: b - a]
             n = self.store.get_range_into(entry.key, a, b - a, view, entry.etag)
