@@ -82,6 +82,11 @@ class ClassSettings:
 # request: 384 vs 609 MB/s cold with 256 vs 64 MiB on the bench VM).
 READAHEAD = 64 * MiB
 
+# The longest object key (source prefix included) the store takes: S3 and
+# SeaweedFS refuse 1,025 bytes (KeyTooLongError). Names whose key would be
+# longer are refused with ENAMETOOLONG before anything is written.
+MAX_KEY_BYTES = 1024
+
 # Bytes of direct writes acknowledged but not yet in tier 1, per mount
 # (queued_writes.py): enough to keep a 1 MiB writer from waiting on the apply.
 QUEUED_WRITES = 32 * MiB
@@ -173,6 +178,7 @@ class MountConfig:
     connect_timeout: float = 5.0
     read_timeout: float = 30.0
     deadline: float = 30.0  # per store operation, retries included
+    max_key_bytes: int = MAX_KEY_BYTES
     mount_check_timeout: float = 8.0  # how long `tierfs mount` waits for the store
 
     # cache
@@ -340,6 +346,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("store", "max_parallel_gets"): ("max_parallel_gets", _want_pos_int),
     ("store", "max_parallel_puts"): ("max_parallel_puts", _want_pos_int),
     ("store", "max_parallel_uploads"): ("max_parallel_uploads", _want_pos_int),
+    ("store", "max_key_length"): ("max_key_bytes", _want_pos_int),
     ("read", "readahead"): ("readahead", _want_size),  # every class's, unless set there
     ("read", "readahead_min"): ("readahead_min", _want_pos_size),
     ("read", "max_inflight"): ("max_inflight_bytes", _want_pos_size),

@@ -136,6 +136,7 @@ class Daemon:
                 read_timeout=cfg.read_timeout,
                 deadline=cfg.deadline,
                 observer=self._observe_store,
+                max_key_bytes=cfg.max_key_bytes,
             )
         except StoreError as exc:
             raise MountError(str(exc)) from None
