@@ -240,7 +240,8 @@ class Namespace:
                 continue
             try:
                 await self.workers.meta(self.store.check)
-            except StoreError:
+            except Exception as exc:  # StoreError, or anything else: still away
+                log.debug("store still unreachable: %s", exc)
                 continue
             log.info("store reachable again: leaving degraded mode")
             self.degraded = False

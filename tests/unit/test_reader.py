@@ -92,7 +92,8 @@ class FakeStore:
 
 
 def make_reader(store: FakeStore, nursery: trio.Nursery) -> Reader:
-    return Reader(store, Workers(4, 1, 4), nursery, part_size=PART, readahead_min=CS)  # type: ignore[arg-type]
+    return Reader(store, Workers(4, 1, 4), nursery, part_size=PART, readahead_min=CS,  # type: ignore[arg-type]
+                  cache_capacity=1 << 30, chunk_size=CS)
 
 
 async def test_claim_splits_into_parts_and_shares_flights(cache: Cache) -> None:
@@ -232,7 +233,7 @@ async def test_bytes_that_just_landed_are_served_from_memory(cache: Cache, monke
     monkeypatch.setattr(e, "read_into", counted)  # observe which path served a read
     async with trio.open_nursery() as n:
         r = Reader(store, Workers(4, 1, 4), n, part_size=part, readahead_min=CS,  # type: ignore[arg-type]
-                   landed_bytes=2 * part)
+                   cache_capacity=1 << 30, chunk_size=CS, landed_bytes=2 * part)
         st = ReadState()
         assert bytes(await r.read(e, st, 0, part, part)) == data[:part]
         assert bytes(await r.read(e, st, part, part, part)) == data[part : 2 * part]

@@ -170,7 +170,15 @@ class S3Store:
         self._connect_timeout = connect_timeout
         self._session = boto3.session.Session()
         self._session_lock = threading.Lock()  # sessions are not thread-safe; clients are
-        self._client = self._make_client(connect_timeout, read_timeout)
+        try:
+            self._client = self._make_client(connect_timeout, read_timeout)
+        except ValueError as exc:  # e.g. AWS_ENDPOINT_URL=host:port, without a scheme
+            where = endpoint_url or os.environ.get("AWS_ENDPOINT_URL", "the AWS configuration")
+            raise StoreError(
+                f"invalid S3 endpoint {where!r} ({exc}): it must start with http:// or https://",
+                errno_=errno.EINVAL,
+                kind="invalid",
+            ) from None
         self.endpoint = _safe_endpoint(self._client.meta.endpoint_url)
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
         self.identity = f"s3|{self.endpoint}|{bucket}|{prefix}"
