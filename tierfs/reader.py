@@ -258,7 +258,7 @@ class Reader:
         self.request_sizes: Counter[int] = Counter()  # FUSE read sizes seen (KiB, rounded up)
         self._reads = 0
         self._uses: weakref.WeakKeyDictionary[Entry, _Use] = weakref.WeakKeyDictionary()
-        self._mem_flights: dict[tuple[int, int], _Flight] = {}  # (entry, start) -> GET to memory
+        self._mem_flights: dict[tuple[int, int], _Flight] = {}  # (entry, unit) -> GET to memory
         self._warned_through = False
         self.wasted_bytes = 0  # fetched, then evicted before any read used them
 
@@ -403,33 +403,21 @@ class Reader:
     def _start_memory(self, entry: Entry, pos: int) -> _Flight:
         """A GET of the unit holding `pos` into memory; joins one in flight."""
         a = pos - pos % self.unit
-        key = (id(entry), a)
+        key = (id(entry), a // self.unit)
         flight = self._mem_flights.get(key)
         if flight is None:
             flight = self._mem_flights[key] = _Flight()
+            b = min(a + self.unit, entry.size)
             self.nursery.start_soon(
-                self._fetch_memory, entry, a, min(a + self.unit, entry.size), flight, key
+                self._fly, self._get_into_memory, entry, a, b, flight, self._mem_flights, self.unit
             )
         return flight
-
-    async def _fetch_memory(
-        self, entry: Entry, a: int, b: int, flight: _Flight, key: tuple[int, int]
-    ) -> None:
-        try:
-            if not self._landed.holds(entry, a, b):
-                await self.workers.data(self._get_into_memory, entry, a, b)
-        except Exception as exc:
-            flight.error = _as_oserror(exc)
-        except BaseException:
-            flight.error = OSError(errno.EIO, "fetch cancelled: daemon stopping")
-            raise
-        finally:
-            del self._mem_flights[key]
-            flight.done.set()
 
     def _get_into_memory(self, entry: Entry, a: int, b: int) -> None:
         if entry.closed:
             raise _Abandoned(entry.key)
+        if self._landed.holds(entry, a, b):
+            return
         buf = self._part_buffers.take(b - a)
         try:
             n = self.store.get_range_into(entry.key, a, b - a, buf[: b - a], entry.etag)

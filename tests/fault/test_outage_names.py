@@ -17,19 +17,12 @@ from pathlib import Path
 from tests.fault.conftest import store_config
 from tests.fault.proxy import FaultProxy
 from tests.integration.conftest import MountFactory
+from tests.support.errnos import errno_of
 from tests.support.seaweed import SeaweedServer
 
 # No class rule matches *.dat: the default class, whose TTLs are set to 0 below
 # so that every lookup asks the store (the outage is then seen at once).
 ZERO_TTL = "[classes.default]\nattr_ttl = 0\nlist_ttl = 0\n"
-
-
-def errno_of(fn) -> int | None:
-    try:
-        fn()
-    except OSError as exc:
-        return exc.errno
-    return None
 
 
 def test_outage_answers_eio_not_enoent_for_what_it_cannot_know(

@@ -16,18 +16,11 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import MountFactory
+from tests.support.errnos import errno_of
 from tests.support.mount import run_tierfs
 from tests.support.seaweed import SeaweedServer
 
 LIMIT = 1024
-
-
-def errno_of(fn) -> int | None:
-    try:
-        fn()
-    except OSError as exc:
-        return exc.errno
-    return None
 
 
 def keys(s3: SeaweedServer, bucket: str) -> list[str]:
