@@ -88,7 +88,7 @@ class _Use:
     """How tier 1 keeps up with one open object's reads."""
 
     unserved: bytearray  # per chunk: 1 = fetched, not yet served (fetching it again is waste)
-    shift: int = 0  # readahead is capped at ahead_max >> shift
+    cap: int  # bytes of readahead allowed; each waste cuts it to a quarter
     through: bool = False  # reads come through memory, not tier 1
     last_waste: float = -math.inf
 
@@ -280,7 +280,7 @@ class Reader:
             return b""
         use = self._use(entry)
         if use is not None:
-            readahead_max = min(readahead_max, self.ahead_max >> use.shift)
+            readahead_max = min(readahead_max, use.cap)
         window = state.advance(off, end, self.readahead_min, readahead_max)
         if window:
             self._fronts.note(entry, end, window)
@@ -346,9 +346,11 @@ class Reader:
             return None
         use = self._uses.get(entry)
         if use is None:
-            use = self._uses[entry] = _Use(bytearray(-(-entry.size // entry.chunk_size)))
-        elif use.shift and time.monotonic() - use.last_waste > WASTE_QUIET:
-            use.shift, use.through = 0, False
+            use = self._uses[entry] = _Use(
+                bytearray(-(-entry.size // entry.chunk_size)), self.ahead_max
+            )
+        elif use.cap < self.ahead_max and time.monotonic() - use.last_waste > WASTE_QUIET:
+            use.cap, use.through = self.ahead_max, False
         return use
 
     def _wasted(self, entry: Entry, chunks: int) -> None:
@@ -358,10 +360,10 @@ class Reader:
             return
         self.wasted_bytes += chunks * entry.chunk_size
         use.last_waste = time.monotonic()
-        use.shift += 1
+        use.cap //= 4
         log.debug("%r: %d chunk(s) evicted unread; readahead now %d bytes",
-                  entry.key, chunks, self.ahead_max >> use.shift)
-        if self.ahead_max >> use.shift < entry.chunk_size:
+                  entry.key, chunks, use.cap)
+        if use.cap < entry.chunk_size:
             self._go_through(entry, f"tier 1 ({self.capacity >> 20} MiB) cannot hold what is being read")
 
     def _go_through(self, entry: Entry, why: str) -> None:
@@ -370,7 +372,7 @@ class Reader:
             return
         use.through = True
         use.last_waste = time.monotonic()
-        use.shift = max(use.shift, 63)
+        use.cap = 0
         if not self._warned_through:
             self._warned_through = True
             log.warning("%s: reading %r (and any other such file) from the store through "
@@ -627,7 +629,7 @@ class Reader:
                 for pa in range(0, entry.size, self.unit):
                     pb = min(pa + self.unit, entry.size)
                     use = self._uses.get(entry)
-                    if use is not None and use.shift:
+                    if use is not None and use.cap < self.ahead_max:
                         raise OSError(errno.ENOSPC, "tier 1 cannot hold it (chunks evicted unread)")
                     if not entry.missing(pa, pb):
                         continue
