@@ -27,7 +27,7 @@ from tierfs.fs import TierFS
 from tierfs.fusermount import MountpointError, check_mountpoint, fusermount_unmount
 from tierfs.metrics import Metrics
 from tierfs.namespace import Namespace
-from tierfs.ops import ControlOps
+from tierfs.ops import ControlOps, relpath
 from tierfs.policy import Policy
 from tierfs.reader import Reader
 from tierfs.sdnotify import notify
@@ -273,8 +273,8 @@ class Daemon:
                 "unmount": lambda req: self._request_stop(
                     stop, wb if req.get("flush") else None, lazy=bool(req.get("lazy"))
                 ),
-                "flush": lambda req: self._flush(wb, req.get("prefix", "")),
-                "pending": lambda req: self._pending(wb, req.get("prefix", "")),
+                "flush": lambda req: self._flush(wb, relpath(req.get("prefix", ""))),
+                "pending": lambda req: self._pending(wb, relpath(req.get("prefix", ""))),
             }
             await nursery.start(
                 ControlServer(ctl_path, handlers, ctl_ops.stream_handlers(),
