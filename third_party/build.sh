@@ -31,7 +31,7 @@ LOG=$B/build.log
 : >"$LOG"
 
 # Each stage names itself in the log, so a failure says where it stopped.
-at() { echo "step: $*" >>"$LOG"; }
+at() { echo "step: $(date +%T) $*" >>"$LOG"; }
 say() { echo "third_party: $*"; }
 
 # Stock pyfuse3 from PyPI against the system's libfuse, saying why once.
@@ -112,7 +112,8 @@ build_pyfuse3() {
     at "downloading the pyfuse3 $PYFUSE3 sdist (PyPI, hash-pinned)"
     rm -rf "$B/pyfuse3" "$B"/wheels-* && mkdir -p "$B/pyfuse3"
     echo "pyfuse3==$PYFUSE3 --hash=sha256:$PYFUSE3_SHA256" >"$B/pyfuse3/req.txt"
-    "$TOOLVENV/bin/pip" download -q --no-deps --no-binary :all: --require-hashes \
+    # pyfuse3's own build tools only: `--no-binary :all:` would build Cython from source.
+    "$TOOLVENV/bin/pip" download -q --no-deps --no-binary pyfuse3 --no-build-isolation --require-hashes \
         -r "$B/pyfuse3/req.txt" -d "$B/pyfuse3" >>"$LOG" 2>&1
     at "patching pyfuse3 $PYFUSE3 (third_party/pyfuse3/passthrough.patch)"
     tar xzf "$B/pyfuse3/pyfuse3-$PYFUSE3.tar.gz" -C "$B/pyfuse3"
@@ -167,5 +168,5 @@ set -e
 if [ "$rc" = 0 ]; then
     say "pyfuse3 $PYFUSE3+passthrough on libfuse $(tail -n 1 "$LOG") installed in $VENV ($(($(date +%s) - start)) s)"
 else
-    stock "the build failed while $(grep '^step: ' "$LOG" | tail -n 1 | cut -c7-) (log: ${LOG#"$ROOT"/})"
+    stock "the build failed while $(grep '^step: ' "$LOG" | tail -n 1 | cut -c16-) (log: ${LOG#"$ROOT"/})"
 fi
