@@ -73,7 +73,7 @@ def pyfuse3_reason() -> str | None:
 def has_cap_sys_admin(status: str) -> bool:
     """Whether the effective capabilities in a /proc/PID/status text include CAP_SYS_ADMIN."""
     m = re.search(r"^CapEff:\s*([0-9a-fA-F]+)$", status, re.M)
-    return bool(m) and bool(int(m[1], 16) >> CAP_SYS_ADMIN & 1)
+    return m is not None and bool(int(m[1], 16) >> CAP_SYS_ADMIN & 1)
 
 
 def _unescape(field: str) -> str:
