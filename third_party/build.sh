@@ -77,18 +77,19 @@ SRC
     touch "$src/.unpacked"
 }
 
-# The library only (no fusermount3, mount.fuse3, udev rules or init script:
-# bookworm's setuid fusermount3 stays the one in use), staged under $FUSE_STAGE.
+# The library only (no fusermount3, mount.fuse3, udev rules or init script),
+# staged under $FUSE_STAGE. bindir /usr/bin is only where libfuse looks for
+# fusermount3 (non-root mounts): bookworm's setuid one. Nothing is installed there.
 build_libfuse() {
     FUSE_STAGE=$B/libfuse-$FUSE3_DEB
     [ -f "$FUSE_STAGE/.built" ] && return 0
     at "building libfuse $FUSE3_DEB (meson/ninja)"
     rm -rf "$FUSE_STAGE" "$B/src/fuse3-$FUSE3_DEB/_build"
-    (cd "$B/src/fuse3-$FUSE3_DEB" &&
-        "$TOOLVENV/bin/meson" setup _build --prefix="$FUSE_STAGE" --libdir=lib --buildtype=release \
-            -Duseroot=false -Dinitscriptdir= -Dudevrulesdir="$FUSE_STAGE/lib/udev/rules.d" \
-            -Dtests=false -Dutils=false -Dexamples=false &&
-        PATH=$TOOLVENV/bin:$PATH "$TOOLVENV/bin/meson" install -C _build) >>"$LOG" 2>&1
+    (cd "$B/src/fuse3-$FUSE3_DEB" && export PATH="$TOOLVENV/bin:$PATH" &&
+        meson setup _build --prefix="$FUSE_STAGE" --libdir=lib --bindir=/usr/bin \
+            --buildtype=release -Duseroot=false -Dinitscriptdir= \
+            -Dudevrulesdir="$FUSE_STAGE/lib/udev/rules.d" -Dtests=false -Dutils=false -Dexamples=false &&
+        meson install -C _build) >>"$LOG" 2>&1
     touch "$FUSE_STAGE/.built"
 }
 
