@@ -37,6 +37,9 @@ say() { echo "third_party: $*"; }
 # Stock pyfuse3 from PyPI against the system's libfuse, saying why once.
 stock() {
     say "FUSE passthrough unavailable: $1; installing stock pyfuse3 $PYFUSE3 against the system libfuse $(pkg-config --modversion fuse3 2>/dev/null || echo '?')"
+    # A patched 3.5.0+passthrough would satisfy ==3.5.0: remove it and its libfuse first.
+    "$VENV/bin/pip" uninstall -q -y pyfuse3 >/dev/null 2>&1 || true
+    rm -rf "$VENV/fuse"
     "$VENV/bin/pip" install -q "pyfuse3==$PYFUSE3"
     exit 0
 }
