@@ -84,10 +84,10 @@ SRC
 # staged under $FUSE_STAGE. bindir /usr/bin is only where libfuse looks for
 # fusermount3 (non-root mounts): bookworm's setuid one. Nothing is installed there.
 build_libfuse() {
-    FUSE_STAGE=$B/libfuse-$FUSE3_DEB
+    FUSE_STAGE=$B/libfuse-$FUSE3_DEB-$(sha256sum <"$0" | cut -c1-12)
     [ -f "$FUSE_STAGE/.built" ] && return 0
     at "building libfuse $FUSE3_DEB (meson/ninja)"
-    rm -rf "$FUSE_STAGE" "$B/src/fuse3-$FUSE3_DEB/_build"
+    rm -rf "$B"/libfuse-* "$B/src/fuse3-$FUSE3_DEB/_build"
     (cd "$B/src/fuse3-$FUSE3_DEB" && export PATH="$TOOLVENV/bin:$PATH" &&
         meson setup _build --prefix="$FUSE_STAGE" --libdir=lib --bindir=/usr/bin \
             --buildtype=release -Duseroot=false -Dinitscriptdir= \
