@@ -2,25 +2,30 @@
 
 Start-up order matters for the "bad input fails fast, leaves nothing behind"
 rule: everything that can be checked without mounting (source, mountpoint,
-cache dir, store reachability) is checked first (`prepare`); only then does
-mount.py build the rest and make the FUSE mount, and readiness is reported
-once the mount answers a `stat`.
+cache dir and its size, store reachability) is checked first (`prepare`);
+only then does mount.py build the rest and make the FUSE mount, and readiness
+is reported once the mount answers a `stat`.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import subprocess
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import trio
 
 from tierfs.cache import Cache, CacheBusy, CacheConflict, CacheUnwritable
-from tierfs.config import DEGRADED_RETRY, ConfigError, MountConfig, parse_listen_addr
+from tierfs.cache.sizing import SizingError, plan
+from tierfs.config import (
+    DEGRADED_RETRY,
+    MIN_CACHE_SIZE,
+    ConfigError,
+    MountConfig,
+    parse_listen_addr,
+)
+from tierfs.fusermount import MountpointError, check_mountpoint
 from tierfs.health import StoreHealth
 from tierfs.metrics import Metrics
 from tierfs.mount import MountError, Prepared, serve
@@ -29,49 +34,7 @@ from tierfs.store.base import UNREACHABLE_KINDS, Store, StoreError
 
 log = logging.getLogger(__name__)
 
-
-def mounted_fs(mountpoint: Path) -> str | None:
-    """The filesystem type mounted exactly at `mountpoint`, if any."""
-    target = os.path.realpath(mountpoint)
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) >= 3 and parts[1].encode().decode("unicode_escape") == target:
-                return parts[2]
-    return None
-
-
-def fusermount_unmount(mountpoint: Path, lazy: bool = False) -> bool:
-    args = ["fusermount3", "-uz" if lazy else "-u", str(mountpoint)]
-    try:
-        res = subprocess.run(args, capture_output=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return res.returncode == 0
-
-
-def check_mountpoint(mountpoint: Path) -> None:
-    fstype = mounted_fs(mountpoint)
-    if fstype is not None:
-        stale = False
-        try:
-            os.statvfs(mountpoint)  # never answered from the kernel's attribute cache
-        except OSError as exc:
-            stale = exc.errno == errno.ENOTCONN
-        if stale and fstype.startswith("fuse") and fusermount_unmount(mountpoint, lazy=True):
-            log.warning("cleaned a stale mount left at %s by a dead daemon", mountpoint)
-        else:
-            raise MountError(f"mountpoint {mountpoint} is already mounted ({fstype})")
-    if not mountpoint.exists():
-        raise MountError(f"mountpoint {mountpoint} does not exist")
-    if not mountpoint.is_dir():
-        raise MountError(f"mountpoint {mountpoint} is not a directory")
-
-
-def default_capacity(cache_dir: Path, min_free: int) -> int:
-    st = os.statvfs(cache_dir)
-    free = st.f_bavail * st.f_frsize
-    return max(int((free - min_free) * 0.8), 256 << 20)
+__all__ = ["Daemon", "MountError"]
 
 
 class Daemon:
@@ -95,7 +58,6 @@ class Daemon:
     def prepare(self) -> None:
         """Every check that needs no mount; raises MountError with the reason."""
         cfg = self.cfg
-        check_mountpoint(cfg.mountpoint)
         try:
             self.store = open_store(
                 cfg.source,
@@ -106,19 +68,24 @@ class Daemon:
                 read_timeout=cfg.read_timeout,
                 deadline=cfg.deadline,
                 observer=self._observe_store,
+                max_key_bytes=cfg.max_key_bytes,
             )
         except StoreError as exc:
+            raise MountError(str(exc)) from None
+        try:
+            check_mountpoint(cfg.mountpoint, nonempty=cfg.nonempty)
+        except MountpointError as exc:
             raise MountError(str(exc)) from None
         cache_dir = cfg.resolved_cache_dir()
         try:
             cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            capacity = cfg.cache_size or default_capacity(cache_dir, cfg.min_free)
-            self.cache = Cache(
-                cache_dir, capacity=capacity, chunk_size=cfg.chunk_size, min_free=cfg.min_free
-            )
+            # Sized below, once the cache says what it already holds.
+            self.cache = Cache(cache_dir, capacity=MIN_CACHE_SIZE, chunk_size=cfg.chunk_size,
+                               min_free=0)
         except CacheBusy:
+            hint = "" if cfg.cache_dir else "; pass --cache-dir to use another"
             raise MountError(
-                f"cache dir {cache_dir} is in use by another tierfs mount; pass --cache-dir"
+                f"cache dir {cache_dir} is in use by another tierfs mount{hint}"
             ) from None
         except CacheUnwritable as exc:
             raise MountError(str(exc)) from None
@@ -126,10 +93,18 @@ class Daemon:
             raise MountError(f"cache dir {cache_dir} is not usable: {exc.strerror}") from None
         try:
             had_data = self.cache.bind(self.store.identity)
-        except CacheConflict as exc:
+            st = os.statvfs(cache_dir)
+            sizes = plan(str(cache_dir), st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize,
+                         self.cache.stats().used_bytes, size=cfg.cache_size,
+                         min_free=cfg.min_free)
+        except (CacheConflict, SizingError) as exc:
             self.cache.close()
             raise MountError(str(exc)) from None
-        self.metrics.cache_capacity.set(capacity)
+        self.cache.set_limits(sizes.capacity, sizes.min_free)
+        if sizes.warning:
+            self.warnings.append(sizes.warning)
+            log.warning("%s", sizes.warning)
+        self.metrics.cache_capacity.set(sizes.capacity)
         try:
             self.store.check()
         except StoreError as exc:
@@ -206,5 +181,8 @@ class Daemon:
             trio.run(serve, prepared, on_ready)
         finally:
             self.stop_metrics()
-            self.cache.close()
+            try:
+                self.cache.close()
+            except OSError as exc:  # a full cache disk: uses not written back are lost, no data
+                log.warning("closing the cache: %s", exc)
             log.info("tierfs stopped: %s", cfg.mountpoint)

@@ -48,7 +48,7 @@ from tierfs.policy import Policy
 from tierfs.read.handles import ReadPath
 from tierfs.read.reader import SERVE_BUFFER, Reader
 from tierfs.sdnotify import notify
-from tierfs.store.base import Store
+from tierfs.store.base import Store, StoreError
 from tierfs.tree import TreeChanges
 from tierfs.workers import Workers, tune_malloc
 from tierfs.writeback.barrier import Barrier
@@ -109,6 +109,7 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
         reader = Reader(
             store, workers, nursery, budget=budget, parts=parts, serve=serve_buffers,
             part_size=cfg.part_size, readahead_min=cfg.readahead_min,
+            cache_capacity=cache.capacity, chunk_size=cache.chunk_size,
             observe_read=metrics.read_served,
             # Whole-object model prefetch leaves one GET slot to demand reads
             # elsewhere. Half the slots (2 of 4) made a cold 1 GiB safetensors
@@ -152,7 +153,8 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
         nursery.start_soon(uploader.run)
         nursery.start_soon(ctl.refresh_live)
         ctl_path = socket_path(cache_dir)
-        await nursery.start(ControlServer(ctl_path, ctl.handlers(), ctl.stream_handlers()).serve)
+        await nursery.start(ControlServer(ctl_path, ctl.handlers(), ctl.stream_handlers(),
+                                          request_errors=(StoreError,)).serve)
         nursery.start_soon(_collect_orphans, cache, workers)
         options = set(pyfuse3.default_options)
         options |= {f"fsname=tierfs:{store.url}", "subtype=tierfs", "noatime"}
@@ -160,6 +162,7 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
             options.add("allow_other")
         pyfuse3.init(ops, str(cfg.mountpoint), options)
         entry: Path | None = None
+        ready = broken = False
         try:
             async with trio.open_nursery() as fuse_nursery:
                 fuse_nursery.start_soon(_serve_fuse, stop)
@@ -172,11 +175,21 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
                 await workers.disk(set_kernel_readahead, cfg.mountpoint, cfg.kernel_read_ahead_kb)
                 log.info("tierfs mounted %s at %s", store.url, cfg.mountpoint)
                 on_ready(p.warnings)
+                ready = True
                 await stop.wait()
                 notify("STOPPING=1")
                 fuse_nursery.cancel_scope.cancel()
+        except BaseException:
+            broken = ready
+            raise
         finally:
-            pyfuse3.close(unmount=True)
+            # Once served, the mount is never taken away by a failure: a dead
+            # daemon leaves it answering ENOTCONN (`tierfs mount` repairs it),
+            # never a bare directory that silently takes the job's writes.
+            if broken:
+                log.error("internal error: leaving %s dead (ENOTCONN) rather than "
+                          "unmounted; `tierfs mount` again repairs it", cfg.mountpoint)
+            pyfuse3.close(unmount=not broken)
             if entry is not None:
                 with contextlib.suppress(OSError):
                     entry.unlink()
@@ -194,7 +207,11 @@ def _apply_write(workers: Workers) -> Callable[[Entry, int, bytes], Awaitable[No
 
 async def _collect_orphans(cache: Cache, workers: Workers) -> None:
     """Reclaim cache files a crash left without an index record (off the start-up path)."""
-    removed = await workers.disk(cache.collect_orphans)
+    try:
+        removed = await workers.disk(cache.collect_orphans)
+    except OSError as exc:
+        log.warning("could not look for orphaned cache files: %s", exc)
+        return
     if removed:
         log.info("removed %d orphaned cache file(s)", removed)
 

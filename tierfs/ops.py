@@ -23,6 +23,7 @@ from tierfs.budget import MemoryBudget
 from tierfs.cache import Cache, Entry
 from tierfs.config import ClassSettings
 from tierfs.control import Emit
+from tierfs.fusermount import fusermount_unmount
 from tierfs.health import StoreHealth
 from tierfs.metrics import Metrics
 from tierfs.namespace import ROOT_INODE, Namespace, Node
@@ -150,8 +151,10 @@ class ControlOps:
         return {"flush": outcome.asdict(), "pending": self._pending_figures(prefix)}
 
     async def unmount(self, req: dict[str, Any], emit: Emit) -> dict[str, Any]:
-        """Flush (unless told not to), then stop: the mount goes once the daemon is
-        out of its loop. A failed or abandoned flush leaves the mount up."""
+        """`tierfs umount`: flush (unless told not to), then unmount, then stop. A
+        failed or abandoned flush leaves the mount up. Not lazily unless asked: a
+        mount with files open in it stays, and the caller hears "busy" (a lazy
+        unmount would silently leave those processes writing into a detached tree)."""
         out: dict[str, Any] = {"pid": os.getpid()}
         if req.get("flush", True):
             result = await self.flush(req, emit)
@@ -159,6 +162,14 @@ class ControlOps:
             if not result["flush"]["ok"]:
                 out["stopped"] = False
                 return out
+        if not req.get("lazy"):
+            res = await self.workers.disk(fusermount_unmount, Path(self.info.mountpoint))
+            if res.busy:
+                log.info("unmount refused: %s is busy", self.info.mountpoint)
+                out.update(busy=True, stopped=False)
+                return out
+            if not res.ok:  # e.g. fusermount3 missing: the lazy unmount at stop does it
+                log.info("unmount of %s: %s", self.info.mountpoint, res.reason)
         self.stop.set()
         out["stopped"] = True
         return out

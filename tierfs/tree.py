@@ -23,6 +23,7 @@ class TreeChanges:
         self.wb = wb
 
     async def create(self, parent_inode: int, name: str, flags: int) -> tuple[Node, WriteSession]:
+        self.ns.check_new(parent_inode, name, is_dir=False)
         node = self.ns.add(parent_inode, name, is_dir=False)
         try:
             session = await self.wb.create(node.path, flags=flags, inode=node.inode)
@@ -39,6 +40,7 @@ class TreeChanges:
         self.ns.remove(parent_inode, name)
 
     async def mkdir(self, parent_inode: int, name: str) -> Node:
+        self.ns.check_new(parent_inode, name, is_dir=True)
         if await self._child_or_none(parent_inode, name) is not None:
             raise OSError(errno.EEXIST, "exists")
         parent = self.ns.get(parent_inode)
@@ -59,6 +61,7 @@ class TreeChanges:
         if flags & pyfuse3.RENAME_EXCHANGE:
             raise OSError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
         src = await self._child(parent_old, old)
+        self.ns.check_new(parent_new, new, is_dir=src.is_dir)
         dst = await self._child_or_none(parent_new, new)
         if dst is not None:
             if flags & pyfuse3.RENAME_NOREPLACE:

@@ -45,7 +45,7 @@ from tierfs.cache.index import (
 )
 from tierfs.cache.objects import ChunkCorrupt, Entry, nchunks
 from tierfs.cache.space import punch_hole
-from tierfs.config import CHUNK_SIZE, MIN_FREE
+from tierfs.config import CHUNK_SIZE, MIN_FREE_DEFAULT
 
 FREE_RECHECK = 0.5  # seconds between statvfs calls of the free-space floor
 FREE_RECHECK_BYTES = 64 << 20  # ...or sooner, after this much growth of our own
@@ -102,7 +102,7 @@ class Cache:
         *,
         capacity: int,
         chunk_size: int = CHUNK_SIZE,
-        min_free: int = MIN_FREE,
+        min_free: int = MIN_FREE_DEFAULT,
     ) -> None:
         if capacity <= 0 or chunk_size <= 0 or min_free < 0:
             raise ValueError("capacity and chunk_size must be positive, min_free not negative")
@@ -187,6 +187,13 @@ class Cache:
                 ) from None
             raise CacheUnwritable(f"cache dir {self.root} is not writable: {e.strerror}") from None
         return fd
+
+    def set_limits(self, capacity: int, min_free: int) -> None:
+        """The mount's sizes (cache/sizing.py), decided once the cache says what it
+        already holds; eviction follows them from the next store on."""
+        if capacity <= 0 or min_free < 0:
+            raise ValueError("capacity must be positive, min_free not negative")
+        self.capacity, self.min_free = capacity, min_free
 
     def close(self) -> None:
         """Persist what open entries learnt (uses, dirty sizes) and unlock the dir.

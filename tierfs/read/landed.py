@@ -120,8 +120,11 @@ class LandedParts:
             out[: end - start] = part.buf[a : a + end - start]
             return out[: end - start]
         finally:
-            with self._mu:
-                part.pins -= 1
-                back = part.gone and not part.pins
-            if back:
-                self.pool.give(part.buf)
+            self.unpin(part)
+
+    def unpin(self, part: _Part) -> None:
+        with self._mu:
+            part.pins -= 1
+            back = part.gone and not part.pins
+        if back:
+            self.pool.give(part.buf)

@@ -10,7 +10,14 @@ import errno
 import os
 import re
 
-from tierfs.config import CONNECT_TIMEOUT, DEADLINE, MAX_CONNECTIONS, PART_SIZE, READ_TIMEOUT
+from tierfs.config import (
+    CONNECT_TIMEOUT,
+    DEADLINE,
+    MAX_CONNECTIONS,
+    MAX_KEY_BYTES,
+    PART_SIZE,
+    READ_TIMEOUT,
+)
 from tierfs.store.base import Listing, ObjectInfo, RequestObserver, Store, StoreError
 from tierfs.store.local import LocalStore
 from tierfs.store.s3 import S3Store
@@ -93,11 +100,12 @@ def open_store(
     read_timeout: float = READ_TIMEOUT,
     deadline: float = DEADLINE,
     observer: RequestObserver | None = None,
+    max_key_bytes: int = MAX_KEY_BYTES,
 ) -> Store:
     """The Store for SOURCE `url`. Makes no request: call `check()` to verify it."""
     scheme, where, prefix = parse_source(url)
     if scheme == "file":
-        return LocalStore(where, observer=observer)
+        return LocalStore(where, observer=observer, max_key_bytes=max_key_bytes)
     return S3Store(
         where,
         prefix,
@@ -108,4 +116,5 @@ def open_store(
         read_timeout=read_timeout,
         deadline=deadline,
         observer=observer,
+        max_key_bytes=max_key_bytes,
     )
