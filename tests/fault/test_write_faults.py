@@ -82,7 +82,8 @@ def test_umount_shows_what_it_waits_for_and_gives_up(
     nothing moved for --timeout seconds with the --no-flush hint, and leaves the
     mount serving. Before: umount hung without a word."""
     m = mount_factory(f"s3://{bucket}", "--endpoint-url", proxy.endpoint,
-                      "--config", str(store_config(tmp_path, deadline=5)))
+                      "--config", str(store_config(tmp_path, deadline=5, extra=CACHED_NAMES)))
+    assert os.listdir(m.mountpoint) == []  # known absent: a create needs no store
     proxy.blackhole_all(True)
     data = os.urandom(4 * MiB)
     (m.mountpoint / "ckpt.pt").write_bytes(data)  # write-back: acknowledged locally

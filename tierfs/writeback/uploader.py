@@ -85,7 +85,7 @@ class Uploader:
         self.observe = observe
         # Files due for a background upload, oldest first; a file is in it once.
         self._ready: OrderedDict[int, PendingFile] = OrderedDict()
-        self._wake = trio.Event()
+        self._idle = trio.lowlevel.ParkingLot()  # workers waiting for a file
 
     # -- the background uploader ------------------------------------------------------
 
@@ -93,7 +93,7 @@ class Uploader:
         """A sealed write-back file with no writer open: upload it (again)."""
         self._ready[id(pf)] = pf
         self._ready.move_to_end(id(pf))
-        self._wake.set()
+        self._idle.unpark()
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -103,8 +103,7 @@ class Uploader:
     async def _worker(self) -> None:
         while True:
             while not self._ready:
-                self._wake = trio.Event()
-                await self._wake.wait()
+                await self._idle.park()
             _, pf = self._ready.popitem(last=False)
             if not self._due(pf):
                 continue
