@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.ml.conftest import GET_BYTES, MiB, Rig, flush
+from tests.ml.conftest import GET_BYTES, Rig
 from tests.support.mount import run_tierfs
 from tierfs.cli import main
 
