@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -167,63 +168,54 @@ def _materialize(torch: Any, safe_open: Any, model: Model, progress: Progress) -
     return tensors, total
 
 
-def _to_device(torch: Any, tensors: list[Any], device: str, progress: Progress) -> int:
-    total = 0
+def _to_device(torch: Any, tensors: list[Any], device: str, progress: Progress) -> tuple[list[Any], int]:
     placed = []
     for t in tensors:
         placed.append(t.to(device))
-        total += t.nbytes
         progress.advance(t.nbytes)
-    torch.cuda.synchronize()
-    return total
+    torch.cuda.synchronize()  # the copies are asynchronous: done only now
+    return placed, sum(t.nbytes for t in tensors)
+
+
+def _stage(name: str, sources: Sources, files: list[Path] | None, total: int, progress: Progress,
+           work: Callable[[], tuple[Any, int]]) -> tuple[Stage, Any]:
+    """Time `work` (which returns its result and the bytes it moved) as one stage."""
+    progress.begin(name, total)
+    with sources.stage(files) as split:
+        t = time.perf_counter()
+        result, split.nbytes = work()
+        secs = time.perf_counter() - t
+    progress.end()
+    return Stage(name, secs, split.nbytes, split.origins), result
 
 
 def coldstart(path: Path, device: str | None = None, progress: Progress | None = None) -> Run:
     """Load the model at `path` through the four stages; raises ModelError on bad input."""
-    progress = progress or NoProgress()
+    bar = progress or NoProgress()
     # Imported before the clock starts: on a tierfs mount, discovery's opens start
     # the whole-object prefetch, which would otherwise get the import's seconds free.
     torch = import_torch()
     safe_open = import_safetensors()
     dev = resolve_device(torch, device)
     sources = Sources(path)
-    stages: list[Stage] = []
 
-    with sources.stage(None) as split:
-        t = time.perf_counter()
-        model = discover(path)
-        secs = time.perf_counter() - t
-        split.nbytes = model.discovery_bytes
-    stages.append(Stage("discovery", secs, split.nbytes, split.origins))
+    def discovery() -> tuple[Model, int]:
+        found = discover(path)
+        return found, found.discovery_bytes
+
+    found, model = _stage("discovery", sources, None, 0, bar, discovery)
     if model.format == SAFETENSORS and safe_open is None:
         raise ModelError("coldstart needs safetensors to load this model: pip install 'tierfs[ml]'")
-
     files = [w.path for w in model.weights]
-    progress.begin("read", model.weight_bytes)
-    with sources.stage(files) as split:
-        t = time.perf_counter()
-        split.nbytes = _read(files, progress)
-        secs = time.perf_counter() - t
-    progress.end()
-    stages.append(Stage("read", secs, split.nbytes, split.origins))
-
-    progress.begin("materialize", model.weight_bytes)
-    with sources.stage(files) as split:
-        t = time.perf_counter()
-        tensors, split.nbytes = _materialize(torch, safe_open, model, progress)
-        secs = time.perf_counter() - t
-    progress.end()
-    stages.append(Stage("materialize", secs, split.nbytes, split.origins))
-
+    read, _ = _stage("read", sources, files, model.weight_bytes, bar,
+                     lambda: (None, _read(files, bar)))
+    made, tensors = _stage("materialize", sources, files, model.weight_bytes, bar,
+                           lambda: _materialize(torch, safe_open, model, bar))
     if dev == "cpu":
-        stages.append(Stage("to-device", None, 0, note="device cpu: tensors stay in host memory"))
+        moved = Stage("to-device", None, 0, note="device cpu: tensors stay in host memory")
     else:
-        progress.begin("to-device", split.nbytes)
         torch.cuda.synchronize()
-        t = time.perf_counter()
-        moved = _to_device(torch, tensors, dev, progress)
-        secs = time.perf_counter() - t
-        progress.end()
-        stages.append(Stage("to-device", secs, moved, {"host memory": moved}))
-    del tensors
-    return Run(path, model, dev, sources.mount, stages)
+        moved, _ = _stage("to-device", sources, None, made.nbytes, bar,
+                          lambda: _to_device(torch, tensors, dev, bar))
+        moved.origins = {"host memory": moved.nbytes}
+    return Run(path, model, dev, sources.mount, [found, read, made, moved])
