@@ -29,7 +29,19 @@ deps:
 	  || extra="$$extra python3-dev"; \
 	sh scripts/apt-install.sh $(DEB) $$extra
 
-$(STAMP): pyproject.toml
+# FUSE passthrough (third_party/README.md): pyfuse3 patched for it, built against
+# a private libfuse 3.17 (cached in build/third_party). PASSTHROUGH=0: stock pyfuse3.
+PASSTHROUGH   ?= 1
+PYFUSE3_MODE  := $(if $(filter 0,$(PASSTHROUGH)),stock,passthrough)
+PYFUSE3_STAMP := $(VENV)/.pyfuse3-$(PYFUSE3_MODE)
+
+$(PYFUSE3_STAMP): third_party/build.sh third_party/pyfuse3/passthrough.patch
+	test -x $(PY) || python3 -m venv $(VENV)
+	rm -f $(VENV)/.pyfuse3-*
+	sh third_party/build.sh $(VENV) $(PYFUSE3_MODE)
+	touch $@
+
+$(STAMP): pyproject.toml $(PYFUSE3_STAMP)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
@@ -77,6 +89,7 @@ lint: setup
 install: deps
 	python3 -m venv $(PREFIX)
 	$(PREFIX)/bin/pip install -q --upgrade pip
+	sh third_party/build.sh $(PREFIX) $(PYFUSE3_MODE)
 	$(PREFIX)/bin/pip install -q .
 	install -d -m 0755 $(BINDIR) $(SBINDIR) $(UNITDIR) $(DOCDIR)
 	install -d -m 0700 $(CONFDIR)

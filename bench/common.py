@@ -181,23 +181,8 @@ class Bench:
     @contextlib.contextmanager
     def passthrough(self, src: Path, rw: bool = False) -> Iterator[Path]:
         mp = self.work / "passthrough"
-        mp.mkdir(exist_ok=True)
-        proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "passthrough.py"),
-                                 *(["--rw"] if rw else []), str(src), str(mp)], stdin=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + 20
-            while not is_mounted(mp):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("passthrough did not mount")
-                time.sleep(0.05)
+        with serve_passthrough(mp, src, *(["--rw"] if rw else [])):
             yield mp
-        finally:
-            subprocess.run(["fusermount3", "-u", str(mp)], capture_output=True, check=False)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
     @property
     def server_pid(self) -> int:
@@ -214,6 +199,29 @@ class Bench:
         path.write_text(json.dumps(self.result, indent=2, sort_keys=True) + "\n")
         print(f"results: {path}")
         return path
+
+
+@contextlib.contextmanager
+def serve_passthrough(mp: Path, src: Path, *flags: str) -> Iterator[subprocess.Popen[bytes]]:
+    """bench/passthrough.py serving `src` at `mp` (flags: --rw, --kernel, --stats FILE)
+    until the block ends; yields its process."""
+    mp.mkdir(exist_ok=True)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "passthrough.py"), *flags,
+                             str(src), str(mp)], stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not is_mounted(mp):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("passthrough did not mount")
+            time.sleep(0.05)
+        yield proc
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mp)], capture_output=True, check=False)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def proc_cpu_seconds(pid: int) -> float:
