@@ -10,12 +10,30 @@ import os
 import select
 import subprocess
 import sys
+import tempfile
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from tierfs.config import ConfigError, MountConfig, build_config, load_config_file, parse_size
+from tierfs.config import (
+    ConfigError,
+    ConfigFileErrors,
+    MountConfig,
+    build_config,
+    default_cache_root,
+    load_config_file,
+    parse_size,
+)
 from tierfs.control import ControlError, ControlUnreachable, find_socket, request
+
+log = logging.getLogger("tierfs.cli")
+
+DESCRIPTION = """\
+Mount object storage (s3://bucket[/prefix] or file:///path) as a POSIX
+filesystem with the node's local disk as a block cache, and operate the
+mounts: status, flush, warmup, cache, policy, config check.
+"""
 
 EXIT_USAGE = 2
 START_TIMEOUT = 30.0  # how long `tierfs mount` waits for the daemon to report
@@ -84,6 +102,7 @@ def build_mount_config(args: argparse.Namespace) -> MountConfig:
         endpoint_url=args.endpoint_url,
         foreground=args.foreground,
         allow_other=args.allow_other or None,
+        nonempty=args.nonempty or None,
         allow_unsafe_manifests=args.allow_unsafe_manifests or None,
         log_level=args.log_level,
         metrics_addr=args.metrics_addr,
@@ -95,29 +114,33 @@ def cmd_mount(args: argparse.Namespace) -> int:
     cfg = build_mount_config(args)
     if not cfg.foreground:
         return spawn_daemon(args, cfg)
-    from tierfs.daemon import Daemon, MountError
-
-    setup_logging(cfg.log_level)
     ready_fd: int | None = args.ready_fd
+    log_path = args.log_file or str(cfg.resolved_cache_dir() / "tierfs.log")
+    if ready_fd is not None:
+        # Detached daemon: it logs next to its cache from the start, so that a
+        # failure to start is in the log too, not only in one line to the caller.
+        _log_to(log_path)
+    setup_logging(cfg.log_level)
+    from tierfs.daemon import Daemon, MountError
 
     def report(line: str) -> None:
         if ready_fd is not None:
             with contextlib.suppress(OSError):
                 os.write(ready_fd, (line + "\n").encode())
 
+    def failed(msg: str) -> int:
+        log.error("cannot mount %s at %s: %s", cfg.source, cfg.mountpoint, msg)
+        report(f"ERR {msg}")
+        return die(msg)
+
     daemon = Daemon(cfg)
     try:
         daemon.prepare()
     except MountError as exc:
-        report(f"ERR {exc}")
-        return die(str(exc))
-    if ready_fd is not None:
-        # Detached daemon: from here on its log lives next to its cache.
-        log_path = args.log_file or str(cfg.resolved_cache_dir() / "tierfs.log")
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
+        return failed(str(exc))
+    except Exception as exc:
+        log.exception("start-up failed")
+        return failed(f"internal error during start-up: {exc} (see {log_path})")
 
     def on_ready(warnings: list[str]) -> None:
         nonlocal ready_fd
@@ -136,12 +159,28 @@ def cmd_mount(args: argparse.Namespace) -> int:
     try:
         daemon.run(on_ready)
     except MountError as exc:
-        report(f"ERR {exc}")
-        return die(str(exc))
+        return failed(str(exc))
     except RuntimeError as exc:  # pyfuse3.init failures (e.g. fuse device missing)
-        report(f"ERR cannot mount: {exc}")
-        return die(f"cannot mount: {exc}")
+        return failed(f"cannot mount: {exc}")
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        log.exception("tierfs stopped by an internal error")
+        return failed(f"internal error: {exc} (see {log_path})")
     return 0
+
+
+def _log_to(path: str) -> None:
+    """Send stdout and stderr to the log file (its directory made 0700 if new);
+    left as they are if it cannot be opened (the caller then reads them)."""
+    try:
+        Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except OSError:
+        return
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def spawn_daemon(args: argparse.Namespace, cfg: MountConfig) -> int:
@@ -163,13 +202,24 @@ def spawn_daemon(args: argparse.Namespace, cfg: MountConfig) -> int:
         argv += ["--endpoint-url", args.endpoint_url]
     if args.allow_other:
         argv.append("--allow-other")
+    if args.nonempty:
+        argv.append("--nonempty")
     if args.allow_unsafe_manifests:
         argv.append("--allow-unsafe-manifests")
     if args.log_file:
         argv += ["--log-file", os.path.abspath(args.log_file)]
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, pass_fds=(w,), start_new_session=True)
-    os.close(w)
+    # Until it has its log open, the daemon's stderr comes here: a failure before
+    # that (say, an import error) is shown instead of a bare exit status.
+    with tempfile.TemporaryFile() as errors:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=errors, pass_fds=(w,), start_new_session=True)
+        os.close(w)
+        return _await_ready(proc, r, errors, args, cfg)
+
+
+def _await_ready(proc: subprocess.Popen[bytes], r: int, errors: Any,
+                 args: argparse.Namespace, cfg: MountConfig) -> int:
+    """Relay the starting daemon's report lines; 0 once it says OK."""
     buf = b""
     deadline = time.monotonic() + START_TIMEOUT
     try:
@@ -177,7 +227,7 @@ def spawn_daemon(args: argparse.Namespace, cfg: MountConfig) -> int:
             left = deadline - time.monotonic()
             if left <= 0:
                 proc.kill()
-                from tierfs.daemon import fusermount_unmount
+                from tierfs.fusermount import fusermount_unmount
 
                 fusermount_unmount(cfg.mountpoint, lazy=True)
                 return die(f"daemon did not become ready within {START_TIMEOUT:.0f}s")
@@ -187,7 +237,11 @@ def spawn_daemon(args: argparse.Namespace, cfg: MountConfig) -> int:
             chunk = os.read(r, 4096)
             if not chunk:
                 code = proc.wait(timeout=10)
-                return die(f"daemon exited during start-up (status {code})")
+                errors.seek(0)
+                lines = [ln for ln in errors.read().decode(errors="replace").splitlines() if ln.strip()]
+                why = f": {lines[-1].strip()}" if lines else ""
+                log_path = args.log_file or str(cfg.resolved_cache_dir() / "tierfs.log")
+                return die(f"daemon exited during start-up (status {code}){why}; see {log_path}")
             buf += chunk
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
@@ -207,9 +261,11 @@ def spawn_daemon(args: argparse.Namespace, cfg: MountConfig) -> int:
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    from tierfs.daemon import fusermount_unmount, mounted_fs
+    from tierfs.fusermount import fusermount_unmount, is_stale, mounted_fs
 
     mp = Path(os.path.abspath(args.mountpoint))
+    busy = (f"{mp} is busy: a process has a file or its working directory in it; close "
+            "them, or pass --lazy to detach it now and finish once it is no longer used")
     try:
         sock = find_socket(mp)
     except ControlError:
@@ -217,36 +273,47 @@ def cmd_umount(args: argparse.Namespace) -> int:
     if sock is not None:
         try:
             if args.no_flush:
-                reply = request(sock, "unmount", timeout=30.0, flush=False)
+                reply = request(sock, "unmount", timeout=30.0, flush=False, lazy=args.lazy)
             else:
-                reply = with_upload_progress(sock, "", "unmount", flush=True)
+                reply = with_upload_progress(sock, "", "unmount", flush=True, lazy=args.lazy)
         except ControlUnreachable as exc:
             print(f"tierfs: warning: {exc}; unmounting without a flush", file=sys.stderr)
         except ControlError as exc:
             return die(f"unmount of {mp} failed: {exc} (pending uploads stay journaled; "
                        "--no-flush unmounts without waiting)")
         else:
-            pid = int(reply["pid"])
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and _alive(pid):
-                time.sleep(0.05)
+            if reply.get("busy"):
+                return die(busy)
+            _wait_exit(int(reply["pid"]), timeout=60.0)
             if mounted_fs(mp) is None:
                 return 0
     if mounted_fs(mp) is None:
         return die(f"{mp} is not mounted")
-    if fusermount_unmount(mp) or fusermount_unmount(mp, lazy=True):
+    # A dead daemon's mount serves nobody: detaching it can only help.
+    res = fusermount_unmount(mp, lazy=args.lazy or is_stale(mp))
+    if res.ok:
         return 0
-    return die(f"could not unmount {mp}")
+    return die(busy if res.busy else f"could not unmount {mp}: {res.reason}")
+
+
+def flush_prefix(mountpoint: Path, path: str) -> str:
+    """A path inside a mount as the daemon names it: relative to the mount root.
+    Absolute paths must be under the mount; relative ones are taken from its root
+    (like `tierfs policy`), or from the current directory when that is inside it."""
+    if os.path.isabs(path) or Path.cwd().is_relative_to(mountpoint):
+        rel = os.path.relpath(os.path.abspath(path), mountpoint)
+        if rel == ".." or rel.startswith("../"):
+            raise CliError(f"{path} is not under the mount {mountpoint}")
+    else:
+        rel = os.path.normpath(path)
+        if rel == ".." or rel.startswith("../"):
+            raise CliError(f"{path} is not under the mount {mountpoint}")
+    return "" if rel == "." else rel.rstrip("/")
 
 
 def cmd_flush(args: argparse.Namespace) -> int:
     mp = Path(os.path.abspath(args.mountpoint))
-    prefix = ""
-    if args.path:
-        rel = os.path.relpath(os.path.abspath(args.path), mp)
-        if rel.startswith(".."):
-            raise CliError(f"{args.path} is not under the mount {mp}")
-        prefix = "" if rel == "." else rel.rstrip("/")
+    prefix = flush_prefix(mp, args.path) if args.path else ""
     with_upload_progress(find_socket(mp), prefix, "flush", prefix=prefix)
     return 0
 
@@ -290,14 +357,22 @@ def with_upload_progress(sock: str, watch: str, op: str, **kw: Any) -> dict[str,
     return result
 
 
+def _wait_exit(pid: int, timeout: float) -> None:
+    """Until process `pid` has exited (or `timeout`): the cache dir stays locked
+    until then. A detached daemon is reaped by whoever adopted it, maybe late: an
+    exited, unreaped process (a zombie) counts as gone."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.01)
+
+
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
         return False
-    except PermissionError:
-        return True
-    return True
+    return state not in ("Z", "X")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -320,18 +395,25 @@ def print_status(st: dict[str, Any]) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tierfs", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = argparse.ArgumentParser(prog="tierfs", description=DESCRIPTION)
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     m = sub.add_parser("mount", help="mount SOURCE (s3://bucket[/prefix] or file:///path) at MOUNTPOINT")
     m.add_argument("source", nargs="?", help="may come from --config instead")
     m.add_argument("mountpoint", nargs="?", help="may come from --config instead")
     m.add_argument("--config", "-c", metavar="FILE", help="TOML config; flags override it")
-    m.add_argument("--cache-dir")
-    m.add_argument("--cache-size", help="tier-1 limit, e.g. 50G (default: 80%% of free space)")
+    m.add_argument("--cache-dir", metavar="DIR",
+                   help=f"tier-1 cache on local disk (default: {default_cache_root()}/<id of "
+                        "the source>; a remount of the same source reuses it)")
+    m.add_argument("--cache-size", metavar="SIZE",
+                   help="tier-1 limit, e.g. 50G (default: 80%% of the cache filesystem's free "
+                        "space, less what [cache] min_free keeps free)")
     m.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS)")
     m.add_argument("--foreground", "-f", action="store_true", help="stay attached; unmount on SIGINT/SIGTERM")
     m.add_argument("--allow-other", action="store_true", help="let other users access the mount")
+    m.add_argument("--nonempty", action="store_true",
+                   help="mount over a directory that has files in it (hiding them)")
     m.add_argument("--allow-unsafe-manifests", action="store_true",
                    help="mount even if the store ignores conditional writes (manifests then "
                         "publish with plain PUTs)")
@@ -349,11 +431,15 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("mountpoint", nargs="?", help="or the mountpoint of --config")
     u.add_argument("--config", "-c", metavar="FILE", help="take the mountpoint from this config")
     u.add_argument("--no-flush", action="store_true", help="do not wait for pending uploads")
+    u.add_argument("--lazy", "-l", action="store_true",
+                   help="detach even while busy (files open in it): the mount goes away once "
+                        "they are closed")
     u.set_defaults(func=cmd_umount)
 
     f = sub.add_parser("flush", help="wait until everything pending (under PATH) is in the store")
     f.add_argument("mountpoint")
-    f.add_argument("path", nargs="?", help="a directory or file inside the mount")
+    f.add_argument("path", nargs="?", help="a directory or file inside the mount: absolute, or "
+                   "relative to the mount root (to the current directory when inside the mount)")
     f.set_defaults(func=cmd_flush)
 
     s = sub.add_parser("status", help="show a mount's state and counters")
@@ -380,16 +466,32 @@ def _umount_target(args: argparse.Namespace) -> None:
         args.mountpoint = str(mp)
 
 
+def _version() -> str:
+    try:
+        return version("tierfs")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         if args.cmd == "umount":
             _umount_target(args)
         return int(args.func(args))
+    except ConfigFileErrors as exc:
+        for e in exc.errors:
+            die(str(e))
+        return 1
     except (CliError, ConfigError, ControlError) as exc:
         return die(str(exc))
     except KeyboardInterrupt:
         return die("interrupted", 130)
+    except BrokenPipeError:
+        # `tierfs cache ls MNT | head`: the reader has what it wanted. Quiet, like
+        # any tool killed by SIGPIPE (and nothing more to flush at exit).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tierfs.config import ConfigError, load_config_file
+from tierfs.config import ConfigError, human_size, load_config_file
 from tierfs.control import ControlError, find_socket, request
 
 MiB = 1 << 20
@@ -26,14 +26,7 @@ class OpsError(Exception):
 
 
 def human(n: float | None) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    return "-" if n is None else human_size(float(n))
 
 
 def _ms(s: float | None) -> str:
@@ -339,7 +332,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
             if "source" in fs.values and "mountpoint" in fs.values:
                 build_config(fs, None, None)
         except ConfigError as exc:
-            print(str(exc), file=sys.stderr)
+            print(str(exc), file=sys.stderr)  # every problem of the file, one line each
             bad += 1
             continue
         print(f"{f}: ok")
@@ -366,6 +359,7 @@ HELPER_OPTS: dict[str, tuple[str, bool]] = {
     "metrics_addr": ("--metrics-addr", True),
     "metrics_allow_remote": ("--metrics-allow-remote", False),
     "allow_other": ("--allow-other", False),
+    "nonempty": ("--nonempty", False),
 }
 
 
@@ -426,11 +420,20 @@ def add_parsers(sub: Any, guarded: Callable[[Callable[[argparse.Namespace], int]
     w.set_defaults(func=guarded(cmd_warmup))
 
     c = sub.add_parser("cache", help="inspect or manage a mount's tier-1 cache")
-    c.add_argument("action", choices=["ls", "evict", "verify", "stats"])
-    c.add_argument("target", metavar="MOUNTPOINT|PATH",
-                   help="the mountpoint (ls, verify, stats) or a path in the mount (evict)")
-    c.add_argument("--json", action="store_true")
-    c.set_defaults(func=guarded(cmd_cache))
+    csub = c.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for action, help_, target, target_help in (
+        ("ls", "list cached objects: state, size, cached bytes, last access",
+         "MOUNTPOINT", "the mount's root"),
+        ("evict", "drop the cached bytes of a file, or of everything under a directory "
+         "(files not uploaded yet are refused)", "PATH", "a file or directory inside the mount"),
+        ("verify", "re-check every cached chunk against its checksum; bad ones are dropped",
+         "MOUNTPOINT", "the mount's root"),
+        ("stats", "tier-1 use, capacity, evictions", "MOUNTPOINT", "the mount's root"),
+    ):
+        a = csub.add_parser(action, help=help_, description=help_)
+        a.add_argument("target", metavar=target, help=target_help)
+        a.add_argument("--json", action="store_true", help="machine-readable output")
+        a.set_defaults(func=guarded(cmd_cache))
 
     p = sub.add_parser("policy", help="show the class (and the rule) a path gets")
     p.add_argument("mountpoint")

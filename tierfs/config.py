@@ -39,6 +39,15 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def human_size(n: float) -> str:
+    """Bytes as `du -h` would print them (binary units): 512.0 MiB, 1.5 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 def parse_seconds(text: str | float | int) -> float:
     """'30', '2.5', 'inf' -> seconds; 'inf' means never expire."""
     if isinstance(text, (int, float)):
@@ -81,6 +90,19 @@ class ClassSettings:
 # fetched further ahead than that are read back from tier 1 (a device read per
 # request: 384 vs 609 MB/s cold with 256 vs 64 MiB on the bench VM).
 READAHEAD = 64 * MiB
+
+# The longest object key (source prefix included) the store takes: S3 and
+# SeaweedFS refuse 1,025 bytes (KeyTooLongError). Names whose key would be
+# longer are refused with ENAMETOOLONG before anything is written.
+MAX_KEY_BYTES = 1024
+
+# Tier 1's size, unless configured, and its free-space floor (cache/sizing.py).
+CACHE_SHARE_OF_FREE = 0.8  # of the cache filesystem's free space at mount
+MIN_FREE_DEFAULT = 1 * GiB  # the floor...
+MIN_FREE_SHARE = 0.05  # ...but at most this share of the filesystem (small disks)
+# Smallest tier 1 a mount accepts: two chunks, so a 1 MiB read that crosses a
+# chunk boundary fits (smaller ones are typos, like "--cache-size 64K").
+MIN_CACHE_SIZE = 2 * MiB
 
 # Bytes of direct writes acknowledged but not yet in tier 1, per mount
 # (queued_writes.py): enough to keep a 1 MiB writer from waiting on the apply.
@@ -148,10 +170,11 @@ class MountConfig:
     source: str
     mountpoint: Path
     cache_dir: Path | None = None  # None: cache_dir_for(source, endpoint)
-    cache_size: int | None = None  # None: 80% of the cache filesystem's free space at mount
+    cache_size: int | None = None  # None: CACHE_SHARE_OF_FREE of the cache filesystem's free space
     endpoint_url: str | None = None
     foreground: bool = False
     allow_other: bool = False
+    nonempty: bool = False  # mount over a directory that has files (hiding them)
     # Publish manifests with plain PUTs on a store that ignores conditional
     # writes (losing the lost-race detection; the barrier still holds).
     allow_unsafe_manifests: bool = False
@@ -173,11 +196,14 @@ class MountConfig:
     connect_timeout: float = 5.0
     read_timeout: float = 30.0
     deadline: float = 30.0  # per store operation, retries included
+    max_key_bytes: int = MAX_KEY_BYTES
     mount_check_timeout: float = 8.0  # how long `tierfs mount` waits for the store
 
     # cache
     chunk_size: int = 1 * MiB
-    min_free: int = 1 * GiB  # free-space floor on the cache filesystem
+    # Free-space floor on the cache filesystem. None: MIN_FREE_DEFAULT, at most
+    # MIN_FREE_SHARE of the filesystem.
+    min_free: int | None = None
 
     # read path
     readahead_min: int = 1 * MiB
@@ -248,6 +274,15 @@ class ConfigFileError(ConfigError):
         self.file, self.line, self.reason = str(file), line, reason
 
 
+class ConfigFileErrors(ConfigError):
+    """Several problems of one config file, in file order: one 'FILE:LINE: reason'
+    line each (str() joins them with newlines)."""
+
+    def __init__(self, errors: list[ConfigFileError]) -> None:
+        self.errors = sorted(errors, key=lambda e: e.line)
+        super().__init__("\n".join(str(e) for e in self.errors))
+
+
 def _want_str(v: Any) -> str:
     if not isinstance(v, str):
         raise ConfigError(f"expected a string, got {type(v).__name__}")
@@ -273,6 +308,13 @@ def _want_pos_size(v: Any) -> int:
     n = _want_size(v)
     if n <= 0:
         raise ConfigError(f"size must be positive, got {v!r}")
+    return n
+
+
+def _want_cache_size(v: Any) -> int:
+    n = _want_size(v)
+    if n < MIN_CACHE_SIZE:
+        raise ConfigError(f"{human_size(n)} is below the minimum of {human_size(MIN_CACHE_SIZE)}")
     return n
 
 
@@ -309,6 +351,21 @@ def _want_source(v: Any) -> str:
     return v
 
 
+def check_endpoint(url: str) -> str:
+    """An S3 endpoint must say its scheme: a bare host:port would make boto3
+    fail deep inside the daemon (and guessing http:// could send credentials
+    in the clear to what was meant to be https)."""
+    m = re.match(r"^(https?)://([^/?#]+)", url.strip())
+    if not m:
+        hint = f"; write http://{url} or https://{url}" if "://" not in url else ""
+        raise ConfigError(f"endpoint URL {url!r} must start with http:// or https://{hint}")
+    return url.strip()
+
+
+def _want_endpoint(v: Any) -> str:
+    return check_endpoint(_want_str(v))
+
+
 def _want_abs_path(v: Any) -> Path:
     v = _want_str(v)
     if not v.startswith("/"):
@@ -327,12 +384,13 @@ _KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("", "source"): ("source", _want_source),
     ("", "mountpoint"): ("mountpoint", _want_abs_path),
     ("", "allow_other"): ("allow_other", _want_bool),
+    ("", "nonempty"): ("nonempty", _want_bool),
     ("", "allow_unsafe_manifests"): ("allow_unsafe_manifests", _want_bool),
     ("", "default_class"): ("default_class", _want_str),
     ("cache", "dir"): ("cache_dir", _want_abs_path),
-    ("cache", "size"): ("cache_size", _want_pos_size),
+    ("cache", "size"): ("cache_size", _want_cache_size),
     ("cache", "min_free"): ("min_free", _want_size),
-    ("store", "endpoint_url"): ("endpoint_url", _want_str),
+    ("store", "endpoint_url"): ("endpoint_url", _want_endpoint),
     ("store", "part_size"): ("part_size", _want_pos_size),
     ("store", "connect_timeout"): ("connect_timeout", _want_finite_seconds),
     ("store", "read_timeout"): ("read_timeout", _want_finite_seconds),
@@ -340,6 +398,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("store", "max_parallel_gets"): ("max_parallel_gets", _want_pos_int),
     ("store", "max_parallel_puts"): ("max_parallel_puts", _want_pos_int),
     ("store", "max_parallel_uploads"): ("max_parallel_uploads", _want_pos_int),
+    ("store", "max_key_length"): ("max_key_bytes", _want_pos_int),
     ("read", "readahead"): ("readahead", _want_size),  # every class's, unless set there
     ("read", "readahead_min"): ("readahead_min", _want_pos_size),
     ("read", "max_inflight"): ("max_inflight_bytes", _want_pos_size),
@@ -434,61 +493,77 @@ def load_config_file(path: str | Path) -> FileSettings:
 
 
 def _interpret(doc: dict[str, Any], text: str, path: Path) -> dict[str, Any]:
-    def fail(where: tuple[str | int, ...], reason: str) -> ConfigFileError:
-        return ConfigFileError(path, key_line(text, where), reason)
+    """The settings of a parsed config. Every problem is found before any is
+    reported (ConfigFileErrors), so one `config check` run lists them all."""
+    errors: list[ConfigFileError] = []
+
+    def fail(where: tuple[str | int, ...], reason: str) -> None:
+        errors.append(ConfigFileError(path, key_line(text, where), reason))
+
+    def convert(where: tuple[str | int, ...], label: str, fn: Callable[[Any], Any], v: Any) -> Any:
+        try:
+            return fn(v)
+        except ConfigError as exc:
+            fail(where, f"{label}: {exc}")
+            return None
 
     values: dict[str, Any] = {}
     for key, val in doc.items():
         if key in _TABLES:
             if not isinstance(val, dict):
-                raise fail((key,), f"{key!r} must be a table ([{key}])")
+                fail((key,), f"{key!r} must be a table ([{key}])")
+                continue
             if key == "classes":
                 continue
             for sub, v in val.items():
                 spec = _KEYS.get((key, sub))
                 if spec is None:
                     known = ", ".join(sorted(k for t, k in _KEYS if t == key))
-                    raise fail((key, sub), f"unknown key {sub!r} in [{key}] (known: {known})")
-                try:
-                    values[spec[0]] = spec[1](v)
-                except ConfigError as exc:
-                    raise fail((key, sub), f"{key}.{sub}: {exc}") from None
+                    fail((key, sub), f"unknown key {sub!r} in [{key}] (known: {known})")
+                    continue
+                got = convert((key, sub), f"{key}.{sub}", spec[1], v)
+                if got is not None:
+                    values[spec[0]] = got
         elif key in _TOP_SPECIAL:
             continue
         else:
             spec = _KEYS.get(("", key))
             if spec is None:
                 known = ", ".join(sorted([k for t, k in _KEYS if not t] + [*_TOP_SPECIAL] + [*_TABLES]))
-                raise fail((key,), f"unknown key {key!r} (known: {known})")
-            try:
-                values[spec[0]] = spec[1](val)
-            except ConfigError as exc:
-                raise fail((key,), f"{key}: {exc}") from None
+                fail((key,), f"unknown key {key!r} (known: {known})")
+                continue
+            got = convert((key,), key, spec[1], val)
+            if got is not None:
+                values[spec[0]] = got
 
     # classes: per-class overrides of the built-in contracts; a new name starts
     # from the "default" class.
     classes = dict(DEFAULT_CLASSES)
-    for name, body in (doc.get("classes") or {}).items():
+    class_tables = doc.get("classes") if isinstance(doc.get("classes"), dict) else {}
+    for name, body in class_tables.items():
         if not isinstance(body, dict):
-            raise fail(("classes", name), f"classes.{name} must be a table ([classes.{name}])")
+            fail(("classes", name), f"classes.{name} must be a table ([classes.{name}])")
+            continue
         base = classes.get(name) or replace(DEFAULT_CLASSES["default"], name=name)
         changes: dict[str, Any] = {}
         for k, v in body.items():
             conv = _CLASS_KEYS.get(k)
             if conv is None:
-                raise fail(("classes", name, k),
-                           f"unknown class setting {k!r} (known: {', '.join(_CLASS_KEYS)})")
-            try:
-                changes[k] = conv(v)
-            except ConfigError as exc:
-                raise fail(("classes", name, k), f"classes.{name}.{k}: {exc}") from None
-            if k == "write_mode" and changes[k] not in WRITE_MODES:
-                raise fail(("classes", name, k),
-                           f"classes.{name}.write_mode must be one of {', '.join(WRITE_MODES)}")
+                fail(("classes", name, k),
+                     f"unknown class setting {k!r} (known: {', '.join(_CLASS_KEYS)})")
+                continue
+            got = convert(("classes", name, k), f"classes.{name}.{k}", conv, v)
+            if got is None:
+                continue
+            if k == "write_mode" and got not in WRITE_MODES:
+                fail(("classes", name, k),
+                     f"classes.{name}.write_mode must be one of {', '.join(WRITE_MODES)}")
+                continue
+            changes[k] = got
         classes[name] = replace(base, **changes)
     if "readahead" in values:
         window = values.pop("readahead")
-        own = {n for n, body in (doc.get("classes") or {}).items() if "readahead_max" in body}
+        own = {n for n, body in class_tables.items() if isinstance(body, dict) and "readahead_max" in body}
         for n, c in classes.items():
             if n not in own:
                 classes[n] = replace(c, readahead_max=window)
@@ -498,42 +573,47 @@ def _interpret(doc: dict[str, Any], text: str, path: Path) -> dict[str, Any]:
     # rules: checked in order before the built-in ones (unless default_rules = false)
     keep_defaults = doc.get("default_rules", True)
     if not isinstance(keep_defaults, bool):
-        raise fail(("default_rules",), "default_rules: expected true or false")
+        fail(("default_rules",), "default_rules: expected true or false")
+        keep_defaults = True
     rules_doc = doc.get("rules", [])
     if not isinstance(rules_doc, list):
-        raise fail(("rules",), "rules must be an array of tables ([[rules]] with glob and class)")
+        fail(("rules",), "rules must be an array of tables ([[rules]] with glob and class)")
+        rules_doc = []
     rules: list[tuple[str, str]] = []
     from tierfs.policy import glob_to_regex  # policy imports this module
 
     for i, r in enumerate(rules_doc):
         if not isinstance(r, dict):
-            raise fail(("rules", i), f"rules[{i}] must be a table with glob and class")
+            fail(("rules", i), f"rules[{i}] must be a table with glob and class")
+            continue
         extra = set(r) - {"glob", "class"}
         if extra:
-            raise fail(("rules", i, sorted(extra)[0]),
-                       f"rules[{i}]: unknown key {sorted(extra)[0]!r} (known: glob, class)")
-        for k in ("glob", "class"):
-            if not isinstance(r.get(k), str) or not r[k]:
-                raise fail(("rules", i, k) if k in r else ("rules", i),
-                           f"rules[{i}] needs a non-empty string {k!r}")
-        try:
-            glob_to_regex(r["glob"])
-        except ConfigError as exc:
-            raise fail(("rules", i, "glob"), f"rules[{i}]: {exc}") from None
+            fail(("rules", i, sorted(extra)[0]),
+                 f"rules[{i}]: unknown key {sorted(extra)[0]!r} (known: glob, class)")
+        missing = [k for k in ("glob", "class") if not isinstance(r.get(k), str) or not r[k]]
+        for k in missing:
+            fail(("rules", i, k) if k in r else ("rules", i),
+                 f"rules[{i}] needs a non-empty string {k!r}")
+        if extra or missing:
+            continue
+        if convert(("rules", i, "glob"), f"rules[{i}]", glob_to_regex, r["glob"]) is None:
+            continue
         if r["class"] not in classes:
-            raise fail(("rules", i, "class"),
-                       f"rules[{i}]: unknown class {r['class']!r} (known: {', '.join(classes)})")
+            fail(("rules", i, "class"),
+                 f"rules[{i}]: unknown class {r['class']!r} (known: {', '.join(classes)})")
+            continue
         rules.append((r["glob"], r["class"]))
     if rules or not keep_defaults:
         values["rules"] = tuple(rules) + (DEFAULT_RULES if keep_defaults else ())
     default_class = values.get("default_class")
     if default_class is not None and default_class not in classes:
-        raise fail(("default_class",), f"default_class: unknown class {default_class!r}")
+        fail(("default_class",), f"default_class: unknown class {default_class!r}")
     if "metrics_addr" in values:
-        try:
-            parse_listen_addr(values["metrics_addr"], values.get("metrics_allow_remote", False))
-        except ConfigError as exc:
-            raise fail(("metrics", "addr"), f"metrics.addr: {exc}") from None
+        convert(("metrics", "addr"), "metrics.addr",
+                lambda a: parse_listen_addr(a, values.get("metrics_allow_remote", False)),
+                values["metrics_addr"])
+    if errors:
+        raise errors[0] if len(errors) == 1 else ConfigFileErrors(errors)
     return values
 
 
@@ -557,6 +637,11 @@ def build_config(
         values["config_file"] = file.path
     known = {f.name for f in fields(MountConfig)}
     cfg = MountConfig(**{k: v for k, v in values.items() if k in known})
+    if cfg.endpoint_url is not None:
+        check_endpoint(cfg.endpoint_url)
+    if cfg.cache_size is not None and cfg.cache_size < MIN_CACHE_SIZE:
+        raise ConfigError(f"cache size {human_size(cfg.cache_size)} is below the minimum of "
+                          f"{human_size(MIN_CACHE_SIZE)}")
     if cfg.metrics_addr is not None:
         parse_listen_addr(cfg.metrics_addr, cfg.metrics_allow_remote)
     return cfg

@@ -33,6 +33,10 @@ Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 Emit = Callable[[dict[str, Any]], Awaitable[None]]
 StreamHandler = Callable[[dict[str, Any], Emit], Awaitable[dict[str, Any]]]
 MAX_REQUEST = 1 << 20
+REPLY_TIMEOUT = 5.0  # seconds a final reply may take to send
+# What a handler raises for a request it cannot do as asked (no such path, a bad
+# argument): answered as an error, logged in one line, no traceback.
+REQUEST_ERRORS: tuple[type[Exception], ...] = (ValueError, LookupError, OSError)
 SUN_PATH_MAX = 100
 
 
@@ -110,10 +114,12 @@ class ControlServer:
         path: Path,
         handlers: dict[str, Handler],
         stream_handlers: dict[str, StreamHandler] | None = None,
+        request_errors: tuple[type[Exception], ...] = (),
     ) -> None:
         self.path = path
         self.handlers = handlers
         self.stream_handlers = stream_handlers or {}
+        self.request_errors = REQUEST_ERRORS + request_errors
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -135,6 +141,16 @@ class ControlServer:
                 self.path.unlink()
 
     async def _client(self, stream: trio.SocketStream) -> None:
+        """One connection; whatever it does, it never ends the server (nor the
+        nursery the daemon shares with it)."""
+        try:
+            await self._serve_client(stream)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            log.info("control client went away: %s", exc)
+        except Exception:
+            log.exception("control request failed unexpectedly")
+
+    async def _serve_client(self, stream: trio.SocketStream) -> None:
         async with stream:
             buf = b""
             while b"\n" not in buf:
@@ -169,10 +185,18 @@ class ControlServer:
             except ClientGone:
                 log.info("control %s: client went away; abandoned", request.get("op"))
                 return
+            except self.request_errors as exc:  # a bad path or argument: the caller's mistake
+                log.info("control %s refused: %s", request.get("op"), exc)
+                reply = {"ok": False, "error": str(exc)}
             except Exception as exc:
                 log.exception("control %s failed", request.get("op"))
                 reply = {"ok": False, "error": str(exc)}
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            # Shielded: the reply to `unmount` races the shutdown it starts.
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(REPLY_TIMEOUT),
+                contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+            ):
                 await _send(stream, reply)
 
 

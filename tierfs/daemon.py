@@ -9,11 +9,9 @@ made, and readiness is reported once the mount answers a `stat`.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import signal
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,12 +20,14 @@ import pyfuse3
 import trio
 
 from tierfs.cache import Cache, CacheBusy, CacheConflict, CacheUnwritable
-from tierfs.config import ConfigError, MountConfig, parse_listen_addr
+from tierfs.cache.sizing import SizingError, plan
+from tierfs.config import MIN_CACHE_SIZE, ConfigError, MountConfig, parse_listen_addr
 from tierfs.control import ControlError, ControlServer, publish, socket_path
 from tierfs.fs import TierFS
+from tierfs.fusermount import MountpointError, check_mountpoint, fusermount_unmount
 from tierfs.metrics import Metrics
 from tierfs.namespace import Namespace
-from tierfs.ops import ControlOps
+from tierfs.ops import ControlOps, relpath
 from tierfs.policy import Policy
 from tierfs.reader import Reader
 from tierfs.sdnotify import notify
@@ -41,50 +41,6 @@ log = logging.getLogger(__name__)
 
 class MountError(Exception):
     """A reason not to mount, shown to the user as one line."""
-
-
-def mounted_fs(mountpoint: Path) -> str | None:
-    """The filesystem type mounted exactly at `mountpoint`, if any."""
-    target = os.path.realpath(mountpoint)
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) >= 3 and parts[1].encode().decode("unicode_escape") == target:
-                return parts[2]
-    return None
-
-
-def fusermount_unmount(mountpoint: Path, lazy: bool = False) -> bool:
-    args = ["fusermount3", "-uz" if lazy else "-u", str(mountpoint)]
-    try:
-        res = subprocess.run(args, capture_output=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return res.returncode == 0
-
-
-def check_mountpoint(mountpoint: Path) -> None:
-    fstype = mounted_fs(mountpoint)
-    if fstype is not None:
-        stale = False
-        try:
-            os.statvfs(mountpoint)  # never answered from the kernel's attribute cache
-        except OSError as exc:
-            stale = exc.errno == errno.ENOTCONN
-        if stale and fstype.startswith("fuse") and fusermount_unmount(mountpoint, lazy=True):
-            log.warning("cleaned a stale mount left at %s by a dead daemon", mountpoint)
-        else:
-            raise MountError(f"mountpoint {mountpoint} is already mounted ({fstype})")
-    if not mountpoint.exists():
-        raise MountError(f"mountpoint {mountpoint} does not exist")
-    if not mountpoint.is_dir():
-        raise MountError(f"mountpoint {mountpoint} is not a directory")
-
-
-def default_capacity(cache_dir: Path, min_free: int) -> int:
-    st = os.statvfs(cache_dir)
-    free = st.f_bavail * st.f_frsize
-    return max(int((free - min_free) * 0.8), 256 << 20)
 
 
 def set_kernel_readahead(mountpoint: Path, kb: int) -> None:
@@ -125,7 +81,6 @@ class Daemon:
     def prepare(self) -> None:
         """Every check that needs no mount; raises MountError with the reason."""
         cfg = self.cfg
-        check_mountpoint(cfg.mountpoint)
         try:
             self.store = open_store(
                 cfg.source,
@@ -136,19 +91,24 @@ class Daemon:
                 read_timeout=cfg.read_timeout,
                 deadline=cfg.deadline,
                 observer=self._observe_store,
+                max_key_bytes=cfg.max_key_bytes,
             )
         except StoreError as exc:
+            raise MountError(str(exc)) from None
+        try:
+            check_mountpoint(cfg.mountpoint, nonempty=cfg.nonempty)
+        except MountpointError as exc:
             raise MountError(str(exc)) from None
         cache_dir = cfg.resolved_cache_dir()
         try:
             cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            capacity = cfg.cache_size or default_capacity(cache_dir, cfg.min_free)
-            self.cache = Cache(
-                cache_dir, capacity=capacity, chunk_size=cfg.chunk_size, min_free=cfg.min_free
-            )
+            # Sized below, once the cache says what it already holds.
+            self.cache = Cache(cache_dir, capacity=MIN_CACHE_SIZE, chunk_size=cfg.chunk_size,
+                               min_free=0)
         except CacheBusy:
+            hint = "" if cfg.cache_dir else "; pass --cache-dir to use another"
             raise MountError(
-                f"cache dir {cache_dir} is in use by another tierfs mount; pass --cache-dir"
+                f"cache dir {cache_dir} is in use by another tierfs mount{hint}"
             ) from None
         except CacheUnwritable as exc:
             raise MountError(str(exc)) from None
@@ -156,10 +116,18 @@ class Daemon:
             raise MountError(f"cache dir {cache_dir} is not usable: {exc.strerror}") from None
         try:
             had_data = self.cache.bind(self.store.identity)
-        except CacheConflict as exc:
+            st = os.statvfs(cache_dir)
+            sizes = plan(str(cache_dir), st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize,
+                         self.cache.stats().used_bytes, size=cfg.cache_size,
+                         min_free=cfg.min_free)
+        except (CacheConflict, SizingError) as exc:
             self.cache.close()
             raise MountError(str(exc)) from None
-        self.metrics.cache_capacity.set(capacity)
+        self.cache.set_limits(sizes.capacity, sizes.min_free)
+        if sizes.warning:
+            self.warnings.append(sizes.warning)
+            log.warning("%s", sizes.warning)
+        self.metrics.cache_capacity.set(sizes.capacity)
         try:
             self.store.check()
         except StoreError as exc:
@@ -234,13 +202,17 @@ class Daemon:
             trio.run(self._main, on_ready)
         finally:
             self.stop_metrics()
-            self.cache.close()
+            try:
+                self.cache.close()
+            except OSError as exc:  # a full cache disk: uses not written back are lost, no data
+                log.warning("closing the cache: %s", exc)
             log.info("tierfs stopped: %s", cfg.mountpoint)
 
     async def _main(self, on_ready: Callable[[list[str]], None]) -> None:
         assert self.store is not None and self.cache is not None
         cfg = self.cfg
         stop = trio.Event()
+        self._blocking = trio.CapacityLimiter(2)  # occasional blocking calls (unmount)
         limit_malloc_arenas()  # before the worker threads exist: bounds RSS
         workers = Workers(
             data_threads=min(cfg.max_parallel_gets, max(1, cfg.max_inflight_bytes // cfg.part_size)),
@@ -256,6 +228,8 @@ class Daemon:
                 nursery,
                 part_size=cfg.part_size,
                 readahead_min=cfg.readahead_min,
+                cache_capacity=self.cache.capacity,
+                chunk_size=self.cache.chunk_size,
                 observe_read=self.metrics.read_served,
                 # Whole-object model prefetch leaves one GET slot to demand reads
                 # elsewhere. Half the slots (2 of 4) made a cold 1 GiB safetensors
@@ -296,12 +270,15 @@ class Daemon:
             nursery.start_soon(ctl_ops.refresh_live)
             handlers = {
                 **ctl_ops.handlers(),
-                "unmount": lambda req: self._request_stop(stop, wb if req.get("flush") else None),
-                "flush": lambda req: self._flush(wb, req.get("prefix", "")),
-                "pending": lambda req: self._pending(wb, req.get("prefix", "")),
+                "unmount": lambda req: self._request_stop(
+                    stop, wb if req.get("flush") else None, lazy=bool(req.get("lazy"))
+                ),
+                "flush": lambda req: self._flush(wb, relpath(req.get("prefix", ""))),
+                "pending": lambda req: self._pending(wb, relpath(req.get("prefix", ""))),
             }
             await nursery.start(
-                ControlServer(ctl_path, handlers, ctl_ops.stream_handlers()).serve
+                ControlServer(ctl_path, handlers, ctl_ops.stream_handlers(),
+                              request_errors=(StoreError,)).serve
             )
             nursery.start_soon(self._collect_orphans)
             options = set(pyfuse3.default_options)
@@ -310,6 +287,7 @@ class Daemon:
                 options.add("allow_other")
             pyfuse3.init(ops, str(cfg.mountpoint), options)
             entry: Path | None = None
+            ready = broken = False
             try:
                 async with trio.open_nursery() as fuse_nursery:
                     fuse_nursery.start_soon(self._serve_fuse, stop)
@@ -324,11 +302,21 @@ class Daemon:
                     )
                     log.info("tierfs mounted %s at %s", self.store.url, cfg.mountpoint)
                     on_ready(self.warnings)
+                    ready = True
                     await stop.wait()
                     notify("STOPPING=1")
                     fuse_nursery.cancel_scope.cancel()
+            except BaseException:
+                broken = ready
+                raise
             finally:
-                pyfuse3.close(unmount=True)
+                # Once served, the mount is never taken away by a failure: a dead
+                # daemon leaves it answering ENOTCONN (`tierfs mount` repairs it),
+                # never a bare directory that silently takes the job's writes.
+                if broken:
+                    log.error("internal error: leaving %s dead (ENOTCONN) rather than "
+                              "unmounted; `tierfs mount` again repairs it", cfg.mountpoint)
+                pyfuse3.close(unmount=not broken)
                 if entry is not None:
                     with contextlib.suppress(OSError):
                         entry.unlink()
@@ -337,7 +325,11 @@ class Daemon:
     async def _collect_orphans(self) -> None:
         """Reclaim cache files a crash left without an index record (off the start-up path)."""
         assert self.cache is not None
-        removed = await trio.to_thread.run_sync(self.cache.collect_orphans)
+        try:
+            removed = await trio.to_thread.run_sync(self.cache.collect_orphans)
+        except OSError as exc:
+            log.warning("could not look for orphaned cache files: %s", exc)
+            return
         if removed:
             log.info("removed %d orphaned cache file(s)", removed)
 
@@ -368,9 +360,23 @@ class Daemon:
             await trio.sleep(0.05)
         raise MountError(f"mount at {mp} did not answer")
 
-    async def _request_stop(self, stop: trio.Event, flush: WriteBack | None) -> dict[str, Any]:
+    async def _request_stop(
+        self, stop: trio.Event, flush: WriteBack | None, *, lazy: bool
+    ) -> dict[str, Any]:
+        """`tierfs umount`: flush, then unmount. Not lazily unless asked: a mount
+        with files open in it stays, and the caller hears "busy" (a lazy unmount
+        would silently leave those processes writing into a detached tree)."""
         if flush is not None:
             await flush.flush()
+        if not lazy:
+            res = await trio.to_thread.run_sync(
+                fusermount_unmount, self.cfg.mountpoint, limiter=self._blocking
+            )
+            if res.busy:
+                log.info("unmount refused: %s is busy", self.cfg.mountpoint)
+                return {"pid": os.getpid(), "busy": True}
+            if not res.ok:  # e.g. fusermount3 missing: the lazy unmount at stop does it
+                log.info("unmount of %s: %s", self.cfg.mountpoint, res.reason)
         stop.set()
         return {"pid": os.getpid()}
 

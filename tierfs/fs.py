@@ -260,6 +260,7 @@ class TierFS(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         text = self._name(name)
+        self.ns.check_new(parent_inode, text, is_dir=False)
         parent = self.ns.get(parent_inode)
         path = f"{parent.path}/{text}" if parent.path else text
         await self.wb.prepare_write(path)
@@ -434,6 +435,7 @@ class TierFS(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         text = self._name(name)
+        self.ns.check_new(parent_inode, text, is_dir=True)
         if await self._exists(parent_inode, text):
             raise pyfuse3.FUSEError(errno.EEXIST)
         parent = self.ns.get(parent_inode)
@@ -471,6 +473,7 @@ class TierFS(pyfuse3.Operations):
         old, new = self._name(name_old), self._name(name_new)
         src = await self.ns.lookup(parent_inode_old, old)
         src.lookups -= 1
+        self.ns.check_new(parent_inode_new, new, is_dir=src.is_dir)
         dst = await self._lookup_or_none(parent_inode_new, new)
         if dst is not None:
             if flags & pyfuse3.RENAME_NOREPLACE:

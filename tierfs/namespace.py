@@ -5,8 +5,12 @@ the life of a mount (a path keeps its inode unless it changes kind). What a
 listing or HEAD taught us is trusted for the class TTL of each entry; strict
 (manifest) paths are re-checked against the store on every lookup.
 
-When the store is unreachable, listings are answered from the objects the
-tier-1 index knows (degraded mode), so data read before stays reachable.
+When the store is unreachable, listings are answered from what this mount
+listed before and the objects the tier-1 index knows (degraded mode), so data
+read before stays reachable. A directory this mount never had the store's
+whole listing of is then incomplete: a name missing from it is unknown, not
+absent, and is answered with EIO, never ENOENT (a training script that sees
+`latest` missing would start over from scratch).
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ class Node:
     attr_expire: float = 0.0  # monotonic deadline of the attributes
     children: dict[str, int] | None = None  # name -> inode, once listed
     children_expire: float = -math.inf
+    # Whether `children` holds every name of the store's last whole listing (or
+    # the directory was made here). False: pieced together from the index while
+    # the store was away; a name missing from it may still exist.
+    complete: bool = True
     lookups: int = 0  # kernel references (lookup counts minus forgets)
     validated_at: float = -math.inf  # monotonic time of the last HEAD
 
@@ -83,6 +91,19 @@ class _Pending:
 
 def join(parent: str, name: str) -> str:
     return f"{parent}/{name}" if parent else name
+
+
+def _bad_name_errno(name: str, otherwise: int) -> int:
+    """ENAMETOOLONG for a name over NAME_MAX bytes, else `otherwise`."""
+    return errno.ENAMETOOLONG if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX else otherwise
+
+
+def _absent(parent: Node) -> OSError:
+    """A name missing from `parent`'s listing: ENOENT if that listing is the
+    store's, EIO if it was pieced together while the store was away."""
+    if parent.complete:
+        return OSError(errno.ENOENT, "no such entry")
+    return OSError(errno.EIO, "store unreachable: cannot tell whether it exists")
 
 
 def valid_name(name: str) -> bool:
@@ -192,17 +213,18 @@ class Namespace:
 
     # -- store access ----------------------------------------------------------
 
-    async def _fetch_listing(self, node: Node) -> Listing:
-        """The store's listing; while the store is known to be down, the index's,
-        at once (not after a store deadline per directory)."""
+    async def _fetch_listing(self, node: Node) -> tuple[Listing, bool]:
+        """The store's listing, and whether it is complete; while the store is known
+        to be down, the index's (incomplete), at once (not after a store deadline
+        per directory)."""
         if not self.degraded:
             try:
-                return await self.workers.meta(self.store.list_dir, node.key)
+                return await self.workers.meta(self.store.list_dir, node.key), True
             except StoreError as exc:
                 if exc.kind not in UNREACHABLE_KINDS:
                     raise
                 self._store_down(exc)
-        return await self.workers.disk(self._listing_from_index, node.key)
+        return await self.workers.disk(self._listing_from_index, node.key), False
 
     def _store_down(self, exc: StoreError) -> None:
         if not self.degraded:
@@ -218,7 +240,8 @@ class Namespace:
                 continue
             try:
                 await self.workers.meta(self.store.check)
-            except StoreError:
+            except Exception as exc:  # StoreError, or anything else: still away
+                log.debug("store still unreachable: %s", exc)
                 continue
             log.info("store reachable again: leaving degraded mode")
             self.degraded = False
@@ -250,8 +273,8 @@ class Namespace:
             return
         pending = self._listing[node.inode] = _Pending()
         try:
-            listing = await self._fetch_listing(node)
-            self._install_listing(node, listing)
+            listing, complete = await self._fetch_listing(node)
+            self._install_listing(node, listing, complete)
         except BaseException as exc:
             pending.error = exc
             raise
@@ -259,9 +282,15 @@ class Namespace:
             del self._listing[node.inode]
             pending.done.set()
 
-    def _install_listing(self, node: Node, listing: Listing) -> None:
+    def _install_listing(self, node: Node, listing: Listing, complete: bool = True) -> None:
+        """Take a listing. An incomplete one (the index's, the store being away)
+        adds to what this mount knew of the directory; if that is nothing at all,
+        the directory's entries are unknown: EIO, not an empty directory."""
         now = time.monotonic()
         children: dict[str, int] = {}
+        if not complete and node.children is not None:
+            children = {n: i for n, i in node.children.items() if i in self._nodes}
+            complete = node.complete  # what the last whole listing said still stands
         for name in listing.dirs:
             if not valid_name(name):
                 self._log_odd(node.key + name + "/", "not a valid directory name")
@@ -286,7 +315,10 @@ class Namespace:
             child = self._node_for(join(node.path, name), False)
             self._apply_local(child, lf)
             children[name] = child.inode
+        if not complete and not children and node.children is None:
+            raise OSError(errno.EIO, f"{node.path or '/'}: store unreachable and never listed here")
         node.children = children
+        node.complete = complete
         ttl = DEGRADED_RETRY if self.degraded else node.settings.list_ttl
         node.children_expire = now + ttl
 
@@ -309,7 +341,7 @@ class Namespace:
         if not parent.is_dir:
             raise OSError(errno.ENOTDIR, "not a directory")
         if not valid_name(name):
-            raise OSError(errno.ENOENT, "no such entry")
+            raise OSError(_bad_name_errno(name, errno.ENOENT), "no such entry")
         path = join(parent.path, name)
         settings = self.policy.settings(path)
         now = time.monotonic()
@@ -321,7 +353,7 @@ class Namespace:
             assert parent.children is not None
             inode = parent.children.get(name)
             if inode is None:
-                raise OSError(errno.ENOENT, "no such entry")
+                raise _absent(parent)
             node = self._nodes[inode]
         node.lookups += 1
         return node
@@ -362,7 +394,7 @@ class Namespace:
             if inode is None or not self._nodes[inode].is_dir:
                 if parent.children is not None:
                     parent.children.pop(name, None)
-                raise OSError(errno.ENOENT, "no such entry")
+                raise _absent(parent)
             node = self._nodes[inode]
         if parent.children is not None:
             parent.children[name] = node.inode
@@ -420,12 +452,20 @@ class Namespace:
         inode = parent.children.get(name)
         return None if inode is None else self._nodes[inode]
 
+    def check_new(self, parent_inode: int, name: str, *, is_dir: bool) -> None:
+        """Before a create, mkdir or rename writes anything: `name` must be a valid
+        file name whose key the store can take (ENAMETOOLONG, EINVAL otherwise)."""
+        parent = self.get(parent_inode)
+        if not valid_name(name):
+            raise OSError(_bad_name_errno(name, errno.EINVAL), "invalid name")
+        key = join(parent.path, name) + ("/" if is_dir else "")
+        self.store.check_key(key)
+
     def add(self, parent_inode: int, name: str, *, is_dir: bool, size: int = 0) -> Node:
         """Record a file or directory this mount created."""
         parent = self.get(parent_inode)
         if not valid_name(name):
-            raise OSError(errno.ENAMETOOLONG if len(name.encode()) > NAME_MAX else errno.EINVAL,
-                          "invalid name")
+            raise OSError(_bad_name_errno(name, errno.EINVAL), "invalid name")
         node = self._node_for(join(parent.path, name), is_dir)
         node.size, node.mtime, node.etag = size, time.time(), ""
         node.attr_expire = time.monotonic() + node.settings.attr_ttl

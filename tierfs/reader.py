@@ -24,13 +24,25 @@ chunks for a big read, just its 4 KiB pages for a small one
 Model-like files get `prefetch_object`: one background task walks the object
 in order with a bounded number of parts in flight, so reads that need other
 parts are never queued behind the whole object.
+
+A small tier 1 must not turn into a store storm (a 32 MiB cache once fetched
+9x the bytes read of a 200 MiB file; a 64 MiB cache disk, over 200 GiB).
+So: a read pins the chunks it waits for (eviction never sheds them before it
+is served); fetches come in units of at most 1/8 of the cache and readahead
+reaches at most 1/4 of it ahead; readahead of an object nobody holds open any
+more is dropped. A chunk fetched and evicted again before any read used it is
+waste: each waste halves that object's readahead, and once none is left its
+reads are served from memory through the store without caching (one warning
+line); likewise when the cache disk is full (ENOSPC).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import math
 import time
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -54,6 +66,31 @@ SMALL_READ = 256 << 10  # a non-sequential read up to this size fetches only its
 SIZE_LOG_AFTER = 1024  # log the FUSE read size histogram once, after this many reads
 SERVE_BUFFER = (1 << 20) + 2 * ALIGN  # a 1 MiB FUSE read at any offset, aligned for O_DIRECT
 SERVE_BUFFERS_KEPT = 64  # about the kernel's max_background reads in flight
+UNIT_SHARE = 8  # a fetch unit is at most 1/UNIT_SHARE of the cache...
+AHEAD_SHARE = 4  # ...and readahead reaches at most 1/AHEAD_SHARE of it ahead
+WASTE_QUIET = 30.0  # seconds without waste before an object's readahead is restored
+
+
+class _NoRoom(OSError):
+    """Tier 1 could not take fetched bytes (its disk is full); the caller reads
+    through memory instead."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(errno.ENOSPC, f"{key!r}: no room in tier 1 for fetched bytes")
+
+
+class _Abandoned(Exception):
+    """A readahead fetch of an object nobody holds open any more: not made."""
+
+
+@dataclass
+class _Use:
+    """How tier 1 keeps up with one open object's reads."""
+
+    unserved: bytearray  # per chunk: 1 = fetched, not yet served (fetching it again is waste)
+    cap: int  # bytes of readahead allowed; each waste cuts it to a quarter
+    through: bool = False  # reads come through memory, not tier 1
+    last_waste: float = -math.inf
 
 
 @dataclass
@@ -184,6 +221,8 @@ class Reader:
         *,
         part_size: int,
         readahead_min: int,
+        cache_capacity: int,
+        chunk_size: int,
         observe_read: Callable[[str, int], None] = lambda tier, n: None,
         prefetch_parallel: int = 4,
         landed_bytes: int = 64 << 20,
@@ -192,6 +231,13 @@ class Reader:
         self.workers = workers
         self.nursery = nursery
         self.part_size = part_size
+        self.capacity = cache_capacity
+        # The fetch unit (parts and readahead are counted in it) and the furthest
+        # readahead: small enough that a reader's chunks, the ones landing and
+        # those ahead fit in the cache together.
+        fit = cache_capacity // UNIT_SHARE // chunk_size * chunk_size
+        self.unit = max(chunk_size, min(part_size, fit))
+        self.ahead_max = cache_capacity // AHEAD_SHARE
         self.readahead_min = readahead_min
         self.observe_read = observe_read
         self.prefetch_parallel = max(1, prefetch_parallel)
@@ -211,6 +257,10 @@ class Reader:
         self._fronts = Fronts(landed_bytes)
         self.request_sizes: Counter[int] = Counter()  # FUSE read sizes seen (KiB, rounded up)
         self._reads = 0
+        self._uses: weakref.WeakKeyDictionary[Entry, _Use] = weakref.WeakKeyDictionary()
+        self._mem_flights: dict[tuple[int, int], _Flight] = {}  # (entry, unit) -> GET to memory
+        self._warned_through = False
+        self.wasted_bytes = 0  # fetched, then evicted before any read used them
 
     # -- serving ---------------------------------------------------------------
 
@@ -228,39 +278,161 @@ class Reader:
         end = min(off + size, entry.size)
         if off >= end:
             return b""
+        use = self._use(entry)
+        if use is not None:
+            readahead_max = min(readahead_max, use.cap)
         window = state.advance(off, end, self.readahead_min, readahead_max)
         if window:
             self._fronts.note(entry, end, window)
         else:
             window = self._fronts.follow(entry, off, end, self.readahead_min, readahead_max)
+        if use is not None and use.through:
+            buf = self._serve_buffers.take(end - off + 2 * ALIGN)
+            try:
+                data = await self._read_through(entry, off, end, buf, window)
+            finally:
+                self._serve_buffers.give(buf)
+            self.observe_read("store", len(data))
+            return data
         small = not window and end - off <= SMALL_READ and _pages_ok(entry)
+        buf = None if small else self._serve_buffers.take(end - off + 2 * ALIGN)
+        try:
+            with entry.holding(off, end):
+                try:
+                    data, fetched = await self._read_cached(entry, off, end, buf, window, small)
+                except _NoRoom:
+                    self._go_through(entry, "the cache disk is full")
+                    fetched = True
+                    if buf is None:
+                        buf = self._serve_buffers.take(end - off + 2 * ALIGN)
+                    data = await self._read_through(entry, off, end, buf, window)
+        finally:
+            if buf is not None:
+                self._serve_buffers.give(buf)
+        if use is not None:
+            lo, hi = off // entry.chunk_size, (end - 1) // entry.chunk_size + 1
+            use.unserved[lo:hi] = bytes(hi - lo)
+        self.observe_read("store" if fetched else "cache", len(data))
+        return data
+
+    async def _read_cached(
+        self, entry: Entry, off: int, end: int, buf: memoryview | None, window: int, small: bool
+    ) -> tuple[bytes | memoryview, bool]:
+        """[off, end) through tier 1 (its chunks are held by the caller); the bytes,
+        and whether any had to be fetched."""
         if small:
             fetched = await self.ensure_pages(entry, off, end)
         else:
             fetched = await self.ensure(entry, off, end, whole_parts=window > 0)
         if window:
             self.prefetch(entry, end, min(end + window, entry.size))
-        buf = None if small else self._serve_buffers.take(end - off + 2 * ALIGN)
-        try:
-            for _ in range(3):
-                try:
-                    data = await self._serve(entry, off, end, buf, window=window, fetched=fetched)
-                    break
-                except ChunkCorrupt as exc:
-                    log.warning("cache chunk(s) %s of %r failed checksum: refetching", exc.chunks, entry.key)
-                except KeyError:
-                    pass  # chunks given up to eviction between fetch and read (tiny cache)
-                if small:
-                    fetched = await self.ensure_pages(entry, off, end) or fetched
-                else:
-                    fetched = await self.ensure(entry, off, end, whole_parts=False) or fetched
+        for _ in range(3):
+            try:
+                return await self._serve(entry, off, end, buf, window=window, fetched=fetched), fetched
+            except ChunkCorrupt as exc:
+                log.warning("cache chunk(s) %s of %r failed checksum: refetching", exc.chunks, entry.key)
+            if small:
+                fetched = await self.ensure_pages(entry, off, end) or fetched
             else:
-                raise OSError(errno.EIO, "cache keeps returning corrupt data")
-        finally:
-            if buf is not None:
-                self._serve_buffers.give(buf)
-        self.observe_read("store" if fetched else "cache", len(data))
-        return data
+                fetched = await self.ensure(entry, off, end, whole_parts=False) or fetched
+        raise OSError(errno.EIO, "cache keeps returning corrupt data")
+
+    # -- a tier 1 too small or full: reads through memory ----------------------
+
+    def _use(self, entry: Entry) -> _Use | None:
+        """The object's tier-1 use record (clean objects only: local writes are
+        never fetched); a quiet object gets its readahead back."""
+        if entry.state != "clean":
+            return None
+        use = self._uses.get(entry)
+        if use is None:
+            use = self._uses[entry] = _Use(
+                bytearray(-(-entry.size // entry.chunk_size)), self.ahead_max
+            )
+        elif use.cap < self.ahead_max and time.monotonic() - use.last_waste > WASTE_QUIET:
+            use.cap, use.through = self.ahead_max, False
+        return use
+
+    def _wasted(self, entry: Entry, chunks: int) -> None:
+        """Chunks fetched before and evicted unread are being fetched again."""
+        use = self._uses.get(entry)
+        if use is None:
+            return
+        self.wasted_bytes += chunks * entry.chunk_size
+        use.last_waste = time.monotonic()
+        use.cap //= 4
+        log.debug("%r: %d chunk(s) evicted unread; readahead now %d bytes",
+                  entry.key, chunks, use.cap)
+        if use.cap < entry.chunk_size:
+            self._go_through(entry, f"tier 1 ({self.capacity >> 20} MiB) cannot hold what is being read")
+
+    def _go_through(self, entry: Entry, why: str) -> None:
+        use = self._use(entry)
+        if use is None or use.through:
+            return
+        use.through = True
+        use.last_waste = time.monotonic()
+        use.cap = 0
+        if not self._warned_through:
+            self._warned_through = True
+            log.warning("%s: reading %r (and any other such file) from the store through "
+                        "memory, without caching it", why, entry.key)
+        else:
+            log.debug("%s: reading %r through memory", why, entry.key)
+
+    async def _read_through(
+        self, entry: Entry, off: int, end: int, buf: memoryview, window: int
+    ) -> memoryview:
+        """[off, end) copied out of unit GETs into memory (landed parts), never
+        written to tier 1; with a window, the next unit is fetched meanwhile."""
+        pos, misses = off, 0
+        while pos < end:
+            part = self._landed.pin(entry, pos, pos + 1)
+            if part is None:
+                misses += 1
+                if misses > 3:
+                    raise OSError(errno.EIO, f"{entry.key!r}: fetched bytes left memory unread")
+                await self._wait_flight(self._start_memory(entry, pos))
+                continue
+            stop = min(end, part.end)
+            self._landed.copy_out(part, pos, stop, buf[pos - off :])
+            pos = stop
+        ahead = ((end - 1) // self.unit + 1) * self.unit
+        if window and ahead < entry.size:
+            self._start_memory(entry, ahead)
+        return buf[: end - off]
+
+    def _start_memory(self, entry: Entry, pos: int) -> _Flight:
+        """A GET of the unit holding `pos` into memory; joins one in flight."""
+        a = pos - pos % self.unit
+        key = (id(entry), a // self.unit)
+        flight = self._mem_flights.get(key)
+        if flight is None:
+            flight = self._mem_flights[key] = _Flight()
+            b = min(a + self.unit, entry.size)
+            self.nursery.start_soon(
+                self._fly, self._get_into_memory, entry, a, b, flight, self._mem_flights, self.unit
+            )
+        return flight
+
+    def _get_into_memory(self, entry: Entry, a: int, b: int) -> None:
+        if entry.closed:
+            raise _Abandoned(entry.key)
+        if self._landed.holds(entry, a, b):
+            return
+        buf = self._part_buffers.take(b - a)
+        try:
+            n = self.store.get_range_into(entry.key, a, b - a, buf[: b - a], entry.etag)
+            if n != b - a:
+                raise StoreError(f"short read of {entry.key!r}: {n} of {b - a} bytes")
+        except BaseException:
+            self._part_buffers.give(buf)
+            raise
+        self._landed.land(entry, a, b, buf)
+
+    @staticmethod
+    async def _wait_flight(flight: _Flight) -> None:
+        await _wait_all([flight])
 
     async def _serve(
         self, entry: Entry, off: int, end: int, buf: memoryview | None, *, window: int, fetched: bool
@@ -367,7 +539,12 @@ class Reader:
         n = self.store.get_range_into(entry.key, a, b - a, buf, entry.etag)
         if n != b - a:
             raise StoreError(f"short read of {entry.key!r}: {n} of {b - a} bytes")
-        entry.store_pages(a, buf)
+        try:
+            entry.store_pages(a, buf)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise _NoRoom(entry.key) from exc
+            raise
 
     def prefetch(self, entry: Entry, start: int, end: int) -> None:
         """Start background fetches of every part of [start, end) not present or in flight."""
@@ -385,7 +562,7 @@ class Reader:
         At most half the landed memory is used ahead of any one stream."""
         if entry.state != "clean":
             return
-        p = self.part_size
+        p = self.unit
         stop = min(end, start + self._landed.capacity // 2)
         for pa in range(start - start % p, stop, p):
             pb = min(pa + p, entry.size)
@@ -421,9 +598,26 @@ class Reader:
     ) -> None:
         """Fetch the whole object into tier 1 in the background, in order, with at most
         `prefetch_parallel` parts in flight (reads of other parts are not queued
-        behind it). `done` runs at the end (e.g. to release the entry it holds)."""
+        behind it). `done` runs at the end (e.g. to release the entry it holds).
+        An object larger than half the cache is not fetched whole: it would evict itself."""
+        if entry.size > self.capacity // 2:
+            log.debug("not prefetching %r: larger than half of tier 1", entry.key)
+            self.nursery.start_soon(self._done, done)
+            return
         self._prefetching.add(id(entry))
         self.nursery.start_soon(self._prefetch_object, entry, done)
+
+    @staticmethod
+    async def _done(done: Callable[[], Awaitable[None]] | None) -> None:
+        """Run a prefetch's end callback; what it fails with (say, a full cache disk
+        while releasing) is logged, never the end of the daemon's nursery."""
+        if done is None:
+            return
+        with trio.CancelScope(shield=True):
+            try:
+                await done()
+            except Exception as exc:
+                log.warning("ending a prefetch: %s", exc)
 
     async def _prefetch_object(
         self, entry: Entry, done: Callable[[], Awaitable[None]] | None
@@ -432,8 +626,11 @@ class Reader:
         try:
             async with trio.open_nursery() as n:
                 slots = trio.Semaphore(self.prefetch_parallel)
-                for pa in range(0, entry.size, self.part_size):
-                    pb = min(pa + self.part_size, entry.size)
+                for pa in range(0, entry.size, self.unit):
+                    pb = min(pa + self.unit, entry.size)
+                    use = self._uses.get(entry)
+                    if use is not None and use.cap < self.ahead_max:
+                        raise OSError(errno.ENOSPC, "tier 1 cannot hold it (chunks evicted unread)")
                     if not entry.missing(pa, pb):
                         continue
                     await slots.acquire()
@@ -453,9 +650,7 @@ class Reader:
             log.info("prefetch of %r stopped: %s", entry.key, exc)
         finally:
             self._prefetching.discard(id(entry))
-            if done is not None:
-                with trio.CancelScope(shield=True):
-                    await done()
+            await self._done(done)
 
     async def _prefetch_parts(
         self, entry: Entry, owned: list[tuple[int, int, _Flight]], slots: trio.Semaphore
@@ -467,7 +662,7 @@ class Reader:
             slots.release()
 
     def _align_parts(self, entry: Entry, a: int, b: int) -> tuple[int, int]:
-        p = self.part_size
+        p = self.unit
         return (a // p) * p, min(-(-b // p) * p, entry.size)
 
     def _widen(self, entry: Entry, missing: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -483,12 +678,13 @@ class Reader:
         return out
 
     def _claim(self, entry: Entry, a: int, b: int) -> list[tuple[int, int, _Flight, bool]]:
-        """Split [a, b) into pieces of at most part_size: runs of chunks nobody is
+        """Split [a, b) into pieces of at most a unit: runs of chunks nobody is
         fetching get a new flight (owner=True); chunks already in flight are
-        answered with that flight (owner=False)."""
+        answered with that flight (owner=False). Chunks fetched before and not
+        served since are waste (see `_wasted`)."""
         cs = entry.chunk_size
         ident = id(entry)
-        per_part = max(1, self.part_size // cs)
+        per_part = max(1, self.unit // cs)
         first, last = a // cs, -(-b // cs)
         runs: list[tuple[int, int]] = []  # [start, end) chunk runs to claim
         out: list[tuple[int, int, _Flight, bool]] = []
@@ -509,11 +705,18 @@ class Reader:
                 out.append((c * cs, c * cs, existing, False))
         if run_start is not None:
             runs.append((run_start, last))
+        use = self._uses.get(entry)
+        wasted = 0
         for c0, c1 in runs:
             flight = _Flight()
             for c in range(c0, c1):
                 self._flights[(ident, c)] = flight
             out.append((c0 * cs, min(c1 * cs, entry.size), flight, True))
+            if use is not None:
+                wasted += use.unserved.count(1, c0, c1)
+                use.unserved[c0:c1] = b"\1" * (c1 - c0)
+        if wasted:
+            self._wasted(entry, wasted)
         return out
 
     async def _fetch(self, entry: Entry, a: int, b: int, flight: _Flight) -> None:
@@ -546,13 +749,24 @@ class Reader:
             flight.done.set()
 
     def _get_and_store(self, entry: Entry, a: int, b: int) -> None:
+        if entry.closed:  # readahead for a reader that is gone
+            raise _Abandoned(entry.key)
         buf = self._part_buffers.take(b - a)
         try:
             view = buf[: b - a]
             n = self.store.get_range_into(entry.key, a, b - a, view, entry.etag)
             if n != b - a:
                 raise StoreError(f"short read of {entry.key!r}: {n} of {b - a} bytes")
-            entry.store(a, view)
+            try:
+                entry.store(a, view)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                # Fetched, but tier 1 has no room: the bytes serve from memory.
+                self._landed.land(entry, a, b, buf)
+                raise _NoRoom(entry.key) from exc
+        except _NoRoom:
+            raise
         except BaseException:
             self._part_buffers.give(buf)
             raise

@@ -399,11 +399,14 @@ class WriteBack:
     async def rename_tree(self, old: str, new: str) -> list[ObjectInfo]:
         """Directory rename (`old`, `new` are 'a/b/' prefixes): every object below is
         moved one by one (S3 has no atomic rename); markers keep empty dirs."""
+        keys, dirs = await self._walk(old)
+        local = [k for k in self.local if k.startswith(old)]
+        for key in {*keys, *dirs, *local}:  # every new key must fit before anything moves
+            self.store.check_key(new + key[len(old):])
         moved = set()
-        for key in [k for k in self.local if k.startswith(old)]:
+        for key in local:
             if await self._move_local(key, new + key[len(old):]):
                 moved.add(key)
-        keys, dirs = await self._walk(old)
         copied = []
         for key in keys:
             if key in moved:  # pending under the new name already; this is a stale version

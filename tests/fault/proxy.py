@@ -87,6 +87,7 @@ class LogEntry(NamedTuple):
     method: str
     path: str
     fault: str
+    range: str = ""  # its Range header, if any (what a resumed GET asked for)
 
 
 def classify(method: str, target: str, headers: Mapping[str, str]) -> str:
@@ -454,7 +455,9 @@ class FaultProxy:
             ready.set()
             await trio.serve_listeners(self._serve_conn, listeners, handler_nursery=nursery)
 
-    def _decide(self, op: str, method: str, target: str) -> tuple[str | None, float, int]:
+    def _decide(
+        self, op: str, method: str, target: str, byte_range: str = ""
+    ) -> tuple[str | None, float, int]:
         """(fault or None, delay, generation) for one request; counts it."""
         with self._lock:
             fault: str | None = None
@@ -478,7 +481,7 @@ class FaultProxy:
             name = fault or "none"
             self._stats[(op, "total")] += 1
             self._stats[(op, name)] += 1
-            self.log.append(LogEntry(op, method, target, name))
+            self.log.append(LogEntry(op, method, target, name, byte_range))
             return fault, delay, self._generation
 
     async def _send(self, stream: trio.SocketStream, data: bytes) -> None:
@@ -511,7 +514,7 @@ class FaultProxy:
             raise _ProtocolError(f"bad request line {start!r}")
         method, target, version = start
         op = classify(method, target, headers)
-        fault, delay, generation = self._decide(op, method, target)
+        fault, delay, generation = self._decide(op, method, target, headers.get("range", ""))
         body = _message_body(headers)
         close = _wants_close(version, headers)
         if fault == "blackhole":

@@ -24,7 +24,7 @@ import pytest
 from tests.fault.conftest import flaky_rules, store_config
 from tests.fault.proxy import FaultProxy
 from tests.integration.conftest import MountFactory
-from tests.support.mount import TierfsMount, run_tierfs
+from tests.support.mount import TierfsMount, drop_page_cache, needs_root, run_tierfs
 from tests.support.seaweed import SeaweedServer
 
 MiB = 1 << 20
@@ -41,11 +41,6 @@ def obj(s3: SeaweedServer, bucket: str, key: str) -> bytes:
 def flush(m: TierfsMount, timeout: float = 300) -> None:
     res = run_tierfs("flush", str(m.mountpoint), env=m.env, timeout=timeout)
     assert res.returncode == 0, res.stderr
-
-
-def drop_page_cache() -> None:
-    """So that reads reach the daemon (tier 1), not the kernel's copy."""
-    subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=False)
 
 
 def retries(m: TierfsMount) -> dict[str, int]:
@@ -123,6 +118,7 @@ def _timed_reads(path: Path, stop: threading.Event, lat: list[float], bad: list[
         drop_page_cache()
 
 
+@needs_root  # drops the page cache: the latency bound is tier 1's, not the kernel's
 def test_blackhole_mid_upload_cached_reads_keep_working_and_upload_lands(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, proxy: FaultProxy,
     tmp_path: Path,
@@ -199,6 +195,7 @@ def obj_missing_or_differs(s3: SeaweedServer, bucket: str, key: str, data: bytes
         return True
 
 
+@needs_root  # drops the page cache
 def test_store_down_uncached_read_eio_within_deadline_and_killable(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, proxy: FaultProxy,
     tmp_path: Path,
@@ -217,8 +214,12 @@ def test_store_down_uncached_read_eio_within_deadline_and_killable(
     # a reader stuck waiting on the store dies at once on SIGKILL (no D state)
     proc = subprocess.Popen([sys.executable, "-c",
                              f"open({str(mp / 'data/cold2.bin')!r}, 'rb').read()"])
-    time.sleep(1.5)
-    assert proc.poll() is None  # still waiting for the store
+    until = time.monotonic() + 10
+    while not any(e.op == "get" and "cold2.bin" in e.path and e.fault == "blackhole"
+                  for e in list(proxy.log)):  # the daemon's GET for that read is held
+        assert time.monotonic() < until and proc.poll() is None, "the read never reached the store"
+        time.sleep(0.02)
+    assert proc.poll() is None  # so the reader is waiting for the store
     t0 = time.monotonic()
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=5)

@@ -352,11 +352,21 @@ def test_blackhole_released_by_clear(proxy: FaultProxy, bucket: str, pre: str) -
     client = s3_client(proxy.endpoint, read_timeout=30)
     client.put_object(Bucket=bucket, Key=f"{pre}k", Body=b"abc")
     proxy.set_rules([Rule("blackhole", ops={"get"})])
-    threading.Timer(0.5, proxy.clear).start()
+
+    def clear_once_held() -> None:
+        deadline = time.monotonic() + 10
+        while proxy.stats()[("get", "blackhole")] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proxy.clear()
+
+    releaser = threading.Thread(target=clear_once_held)
+    releaser.start()
     started = time.monotonic()
     with pytest.raises(ConnectionClosedError):
         client.get_object(Bucket=bucket, Key=f"{pre}k")
-    assert 0.4 < time.monotonic() - started < 5
+    assert time.monotonic() - started < 5  # released by clear(), not by the 30 s timeout
+    releaser.join(10)
+    assert proxy.stats()[("get", "blackhole")] == 1
 
 
 def _fault_sequence(endpoint: str, bucket: str, key: str, seed: int) -> list[str]:

@@ -12,8 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.fault.proxy import FaultProxy, Rule
 from tests.integration.conftest import MountFactory
-from tests.support.mount import is_mounted, kill_daemon_with_open_writer, run_tierfs
+from tests.support.mount import (
+    drop_page_cache,
+    is_mounted,
+    kill_daemon_with_open_writer,
+    needs_root,
+    run_tierfs,
+)
 from tests.support.seaweed import SeaweedServer
 
 MiB = 1 << 20
@@ -107,6 +114,7 @@ def test_posix_writes(mount_factory: MountFactory, bucket: str, s3_server: Seawe
     assert m.status()["pid"] == m.pid
 
 
+@needs_root  # drops the page cache: "no re-download" must be tier 1's doing
 def test_writeback_checkpoint_lands_and_stays_cached(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
 ) -> None:
@@ -125,7 +133,7 @@ def test_writeback_checkpoint_lands_and_stays_cached(
     head = s3_server.client().head_object(Bucket=bucket, Key="ckpt/step-1/model.pt")
     assert "tierfs-xxh3tree" in head["Metadata"]
     before = m.metric("tierfs_store_bytes_total{op=get}")
-    subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=False)
+    drop_page_cache()  # so the read below reaches the daemon
     assert (m.mountpoint / "ckpt/step-1/model.pt").read_bytes() == payload
     assert m.metric("tierfs_store_bytes_total{op=get}") == before  # no re-download
 
@@ -235,20 +243,27 @@ def test_kill9_after_close_then_remount_and_flush(
 def test_kill9_mid_upload_then_remount_and_flush(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
 ) -> None:
+    """kill -9 while a multipart upload is surely half done (the fault proxy slows
+    each part down): the next mount resumes it, and flush lands the whole file."""
     cache = tmp_path / "cache-k9b"
-    m = mount_factory(f"s3://{bucket}", cache_dir=cache)
     payload = os.urandom(160 * MiB)
-    with open(m.mountpoint / "big.pt", "wb") as f:
-        f.write(payload)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # wait until some parts are acknowledged
-        pend = m.status().get("pending") or {}
-        if pend.get("uploaded_bytes", 0) > 0 or m.metric("tierfs_store_requests_total{op=multipart,status=ok}") > 2:
-            break
-        time.sleep(0.02)
-    m.kill9()
-    m2 = mount_factory(f"s3://{bucket}", cache_dir=cache, mountpoint=m.mountpoint)
-    flush(m2)
+    with FaultProxy(s3_server.endpoint) as proxy:
+        m = mount_factory(f"s3://{bucket}", "--endpoint-url", proxy.endpoint, cache_dir=cache)
+        proxy.set_rules([Rule("latency", ops={"multipart"}, delay=0.5)])
+        with open(m.mountpoint / "big.pt", "wb") as f:
+            f.write(payload)
+        deadline = time.monotonic() + 60
+        while not (m.status()["pending"].get("uploaded_bytes", 0) > 0 and
+                   proxy.stats()[("multipart", "total")] > 2):
+            assert time.monotonic() < deadline, "the upload never got going"
+            time.sleep(0.05)
+        m.kill9()
+        assert "big.pt" not in keys(s3_server, bucket)  # killed half way through
+        proxy.clear()
+        m2 = mount_factory(f"s3://{bucket}", "--endpoint-url", proxy.endpoint, cache_dir=cache,
+                           mountpoint=m.mountpoint)
+        flush(m2)
+        assert "resuming upload of 'big.pt'" in (cache / "tierfs.log").read_text()
     assert obj(s3_server, bucket, "big.pt") == payload
 
 

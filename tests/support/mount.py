@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 TIERFS = [sys.executable, "-m", "tierfs"]
 
 
@@ -97,6 +99,15 @@ class TierfsMount:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
             self._wait_dead()
+
+
+def drop_page_cache() -> None:
+    """Make the next reads reach the daemon, not the kernel's copy (root only:
+    a test that needs it says so with `needs_root`; a failure here is a failure)."""
+    subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=True)
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
 
 def kill_daemon_with_open_writer(m: TierfsMount, path: Path, nbytes: int) -> None:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,25 @@ from hypothesis import strategies as st
 from tierfs.cache import Cache
 
 CS = 4096
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (root only)")
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """Make real, small tmpfs filesystems (a full disk without faking ENOSPC)."""
+    made: list[Path] = []
+
+    def make(size: str) -> Path:
+        root = tmp_path / f"tmpfs{len(made)}"
+        root.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(root)],
+                       check=True)
+        made.append(root)
+        return root
+
+    yield make
+    for root in made:
+        subprocess.run(["umount", "-l", str(root)], check=False)
 
 
 def new_cache(root: Path, chunk_size: int = CS, capacity: int = 1 << 30) -> Cache:
@@ -250,43 +270,53 @@ def test_sealing_a_sequential_write_reads_nothing_back(
     c.close()
 
 
-def test_failed_write_leaves_a_sealable_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A write that fails halfway (ENOSPC) must not leave a running checksum that
-    no longer matches the file, nor a file longer than the entry."""
-    import errno
-
-    import tierfs.cache.objects as objects
-
-    c = new_cache(tmp_path / "c")
+@needs_root
+def test_failed_write_leaves_a_sealable_file(tmpfs: Callable[[str], Path]) -> None:
+    """A write that fails halfway on a really full disk (ENOSPC) must not leave a
+    running checksum that no longer matches the file, nor a file longer than
+    the entry."""
+    root = tmpfs("2m")
+    cs = 64 << 10
+    c = new_cache(root / "c", chunk_size=cs)
     e = c.open("k", "", 0, 0.0)
-    e.write(0, b"a" * (CS + 100))
-    real = objects.pwrite_all
-
-    def half_then_enospc(fd: int, data: memoryview, offset: int) -> None:
-        real(fd, data[: len(data) // 2], offset)
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(objects, "pwrite_all", half_then_enospc)
-    with pytest.raises(OSError):
-        e.write(CS + 100, b"b" * (2 * CS))  # sequential: a running checksum was going
-    with pytest.raises(OSError):
-        e.write(50, b"c" * 100)
-    monkeypatch.undo()
-    assert e.size == CS + 100 and os.path.getsize(e.path) == CS + 100
+    e.write(0, b"a" * (cs + 100))
+    filler = fill(root, leave=cs)
+    with pytest.raises(OSError) as exc:
+        e.write(cs + 100, b"b" * (4 * cs))  # sequential: a running checksum was going
+    assert exc.value.errno == errno.ENOSPC
+    assert e.size == cs + 100 and os.path.getsize(e.path) == cs + 100
+    assert e.read(0, cs + 100) == b"a" * (cs + 100)
+    filler.unlink()
     e.set_state("sealed")
     c.release(e)
     c.close()
-    c = new_cache(tmp_path / "c")
+    c = new_cache(root / "c", chunk_size=cs)
     assert c.verify_all() == []
     c.close()
+
+
+def fill(root: Path, leave: int) -> Path:
+    """A file that takes all of `root`'s free space but about `leave` bytes."""
+    filler = root / "filler"
+    with open(filler, "wb") as f:
+        block = b"\0" * (64 << 10)
+        try:
+            while True:
+                f.write(block)
+                f.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+        f.truncate(max(0, f.tell() - leave))
+    return filler
 
 
 def test_going_dirty_waits_for_stores_in_flight(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A fetch that lands after a local write must not overwrite it."""
+    """A fetch that lands after a local write must not overwrite it: the write
+    waits for the store in flight. The store is held mid-way by a patched
+    pwrite_direct (no real disk can be paused on demand between the claim and
+    the write of fetched bytes)."""
     import threading
     import time
 
@@ -296,51 +326,53 @@ def test_going_dirty_waits_for_stores_in_flight(
     e = c.open("k", "e", CS, 0.0)
     e.store(0, b"o" * CS)
     real = objects.pwrite_direct
-    storing = threading.Event()
+    storing, proceed = threading.Event(), threading.Event()
 
-    def slow(dfd: int, fd: int, data: memoryview, offset: int) -> None:
+    def held(dfd: int, fd: int, data: memoryview, offset: int) -> None:
         if threading.current_thread().name == "fetcher":
             storing.set()
-            time.sleep(0.3)
+            assert proceed.wait(10)
         real(dfd, fd, data, offset)
 
-    monkeypatch.setattr(objects, "pwrite_direct", slow)
+    monkeypatch.setattr(objects, "pwrite_direct", held)
     fetcher = threading.Thread(target=e.store, args=(0, b"o" * CS), name="fetcher")
     fetcher.start()
-    storing.wait()
-    e.write(0, b"new")
-    fetcher.join()
+    assert storing.wait(10)
+    writer = threading.Thread(target=e.write, args=(0, b"new"))
+    writer.start()
+    deadline = time.monotonic() + 10
+    while not e._stores_done._waiters:  # type: ignore[attr-defined]  # the writer waits
+        assert time.monotonic() < deadline and writer.is_alive(), "the write did not wait"
+        time.sleep(0.001)
+    proceed.set()
+    fetcher.join(10)
+    writer.join(10)
     assert e.read(0, 4) == b"newo"
     c.release(e)
     c.close()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs")
-def test_index_commits_on_a_full_disk(tmp_path: Path) -> None:
+@needs_root
+def test_index_commits_on_a_full_disk(tmpfs: Callable[[str], Path]) -> None:
     """A writer fills the cache disk; sealing, marking landed and evicting its file
     still commit (they are what frees the disk), from the index's held reserve."""
-    root = tmp_path / "small"
-    root.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(root)], check=True)
-    try:
-        c = new_cache(root / "c", chunk_size=64 << 10)
-        e = c.open("ckpt/huge.pt", "", 0, 0.0)
-        off, piece = 0, os.urandom(64 << 10)
-        with pytest.raises(OSError) as full:
-            while True:
-                off += e.write(off, piece)
-        assert full.value.errno == errno.ENOSPC
-        assert os.statvfs(root).f_bavail < 16  # the disk really is full
-        for i in range(200):  # more index work than a few pages' worth
-            e.set_state("sealed", mtime=float(i))
-            e.set_state("clean", etag=f"etag-{i}")
-            e.write(0, b"x")  # dirty again: a chunk checksum record per round
-        e.set_state("sealed", mtime=1.0)
-        e.set_state("clean", etag="landed")
-        c.release(e)
-        assert c.lookup("ckpt/huge.pt").state == "clean"
-        assert c.evict("ckpt/huge.pt") is True
-        assert os.statvfs(root).f_bavail > 1000  # the space came back
-        c.close()
-    finally:
-        subprocess.run(["umount", "-l", str(root)], check=False)
+    root = tmpfs("16m")
+    c = new_cache(root / "c", chunk_size=64 << 10)
+    e = c.open("ckpt/huge.pt", "", 0, 0.0)
+    off, piece = 0, os.urandom(64 << 10)
+    with pytest.raises(OSError) as full:
+        while True:
+            off += e.write(off, piece)
+    assert full.value.errno == errno.ENOSPC
+    assert os.statvfs(root).f_bavail < 16  # the disk really is full
+    for i in range(200):  # more index work than a few pages' worth
+        e.set_state("sealed", mtime=float(i))
+        e.set_state("clean", etag=f"etag-{i}")
+        e.write(0, b"x")  # dirty again: a chunk checksum record per round
+    e.set_state("sealed", mtime=1.0)
+    e.set_state("clean", etag="landed")
+    c.release(e)
+    assert c.lookup("ckpt/huge.pt").state == "clean"
+    assert c.evict("ckpt/huge.pt") is True
+    assert os.statvfs(root).f_bavail > 1000  # the space came back
+    c.close()

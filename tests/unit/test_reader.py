@@ -1,16 +1,21 @@
-"""Read path without FUSE: stream detection, claims, single-flight, page-sized fetches."""
+"""Read path without FUSE: stream detection, claims, single-flight, page-sized fetches.
+
+The store is a real LocalStore (file://) over a temporary directory, with its
+ETags: an object replaced under a reader is ESTALE, as on S3."""
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
-import time
+from pathlib import Path
 
 import pytest
 import trio
 
-from tierfs.cache import Cache
+from tierfs.cache import Cache, Entry
 from tierfs.reader import SMALL_READ, STREAM_SLACK, Reader, ReadState
+from tierfs.store import LocalStore
 from tierfs.workers import Workers
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -67,39 +72,67 @@ def test_interleaved_streams_keep_their_own_windows() -> None:
     assert len(st.streams) == 2
 
 
-# -- a Reader over a real cache and a counting fake store -------------------------
+# -- a Reader over a real cache and a real (file://) store --------------------------
 
 
-class FakeStore:
-    def __init__(self, objects: dict[str, bytes], delay: float = 0.01) -> None:
-        self.objects = objects
-        self.delay = delay
+class Recorded:
+    """A LocalStore whose GETs are written down as (start, bytes): which ranges the
+    read path asked for is what these tests check. Everything else is the real
+    store (bytes, ETags, ESTALE); this only delegates and records."""
+
+    def __init__(self, root: Path) -> None:
+        self.store = LocalStore(str(root))
+        self.root = root
         self.gets: list[tuple[int, int]] = []
         self._mu = threading.Lock()
 
     @property
     def bytes_fetched(self) -> int:
-        return sum(n for _, n in self.gets)
+        with self._mu:
+            return sum(n for _, n in self.gets)
+
+    def put(self, key: str, data: bytes) -> str:
+        """Write the object; its ETag."""
+        (self.root / key).write_bytes(data)
+        return self.store.head(key).etag
 
     def get_range_into(self, key: str, start: int, length: int, buf: memoryview, etag: str | None = None) -> int:
-        time.sleep(self.delay)  # long enough for concurrent readers to pile up
-        data = self.objects[key][start : start + length]
-        buf[: len(data)] = data
+        n = self.store.get_range_into(key, start, length, buf, etag)
         with self._mu:
-            self.gets.append((start, len(data)))
-        return len(data)
+            self.gets.append((start, n))
+        return n
 
 
+@pytest.fixture
+def store(tmp_path: Path) -> Recorded:
+    root = tmp_path / "store"
+    root.mkdir()
+    return Recorded(root)
 
-def make_reader(store: FakeStore, nursery: trio.Nursery) -> Reader:
-    return Reader(store, Workers(4, 1, 4), nursery, part_size=PART, readahead_min=CS)  # type: ignore[arg-type]
+
+def open_object(cache: Cache, store: Recorded, data: bytes, key: str = "k") -> Entry:
+    """Put `data` in the store as `key` and open its (empty) tier-1 entry."""
+    return cache.open(key, store.put(key, data), len(data), 1.0)
 
 
-async def test_claim_splits_into_parts_and_shares_flights(cache: Cache) -> None:
+async def until_empty(pending: set | dict, limit: float = 10.0) -> None:
+    """Poll (with a deadline) until the reader's background work in `pending` is done."""
+    with trio.fail_after(limit):
+        while pending:
+            await trio.sleep(0.005)
+
+
+def make_reader(store: Recorded, nursery: trio.Nursery, **kw: int) -> Reader:
+    kw = {"part_size": PART, "cache_capacity": 1 << 30, **kw}
+    return Reader(store, Workers(4, 1, 4), nursery, readahead_min=CS,  # type: ignore[arg-type]
+                  chunk_size=CS, **kw)
+
+
+async def test_claim_splits_into_parts_and_shares_flights(cache: Cache, store: Recorded) -> None:
     data = os.urandom(3 * PART + 100)
-    e = cache.open("k", "e", len(data), 1.0)
+    e = open_object(cache, store, data)
     async with trio.open_nursery() as n:
-        r = make_reader(FakeStore({"k": data}), n)
+        r = make_reader(store, n)
         first = r._claim(e, 0, len(data))
         assert [(a, b, owner) for a, b, _, owner in first] == [
             (0, PART, True), (PART, 2 * PART, True), (2 * PART, 3 * PART, True),
@@ -112,10 +145,9 @@ async def test_claim_splits_into_parts_and_shares_flights(cache: Cache) -> None:
     cache.release(e)
 
 
-async def test_concurrent_readers_of_a_cold_range_cause_one_get_per_part(cache: Cache) -> None:
+async def test_concurrent_readers_of_a_cold_range_cause_one_get_per_part(cache: Cache, store: Recorded) -> None:
     data = os.urandom(8 * PART)
-    store = FakeStore({"k": data})
-    e = cache.open("k", "e", len(data), 1.0)
+    e = open_object(cache, store, data)
     async with trio.open_nursery() as n:
         r = make_reader(store, n)
         got: list[bytes] = []
@@ -136,10 +168,9 @@ async def test_concurrent_readers_of_a_cold_range_cause_one_get_per_part(cache: 
     cache.release(e)
 
 
-async def test_small_random_read_fetches_only_its_pages(cache: Cache) -> None:
+async def test_small_random_read_fetches_only_its_pages(cache: Cache, store: Recorded) -> None:
     data = os.urandom(64 * CS)
-    store = FakeStore({"k": data}, delay=0)
-    e = cache.open("k", "e", len(data), 1.0)
+    e = open_object(cache, store, data)
     async with trio.open_nursery() as n:
         r = make_reader(store, n)
         st = ReadState()
@@ -159,15 +190,14 @@ async def test_small_random_read_fetches_only_its_pages(cache: Cache) -> None:
     cache.release(e)
 
 
-async def test_pages_survive_close_and_reopen(cache: Cache) -> None:
+async def test_pages_survive_close_and_reopen(cache: Cache, store: Recorded) -> None:
     data = os.urandom(16 * CS)
-    store = FakeStore({"k": data}, delay=0)
-    e = cache.open("k", "e", len(data), 1.0)
+    e = open_object(cache, store, data)
     async with trio.open_nursery() as n:
         r = make_reader(store, n)
         assert await r.read(e, ReadState(), 5 * CS, 4096, MiB) == data[5 * CS : 5 * CS + 4096]
         cache.release(e)
-        e = cache.open("k", "e", len(data), 1.0)
+        e = cache.open("k", e.etag, len(data), 1.0)
         assert e.missing_pages(5 * CS, 5 * CS + 4096) == []
         assert await r.read(e, ReadState(), 5 * CS, 4096, MiB) == data[5 * CS : 5 * CS + 4096]
         assert len(store.gets) == 1
@@ -175,10 +205,9 @@ async def test_pages_survive_close_and_reopen(cache: Cache) -> None:
     cache.release(e)
 
 
-async def test_readahead_never_refetches_present_chunks(cache: Cache) -> None:
+async def test_readahead_never_refetches_present_chunks(cache: Cache, store: Recorded) -> None:
     data = os.urandom(4 * PART)
-    store = FakeStore({"k": data}, delay=0)
-    e = cache.open("k", "e", len(data), 1.0)
+    e = open_object(cache, store, data)
     e.store(CS, data[CS : 3 * CS])  # chunks 1-2 of the first part already cached
     async with trio.open_nursery() as n:
         r = make_reader(store, n)
@@ -189,10 +218,9 @@ async def test_readahead_never_refetches_present_chunks(cache: Cache) -> None:
     cache.release(e)
 
 
-async def test_prefetch_object_fills_tier1_and_releases(cache: Cache) -> None:
+async def test_prefetch_object_fills_tier1_and_releases(cache: Cache, store: Recorded) -> None:
     data = os.urandom(10 * PART + 5)
-    store = FakeStore({"k": data}, delay=0.001)
-    e = cache.open("k", "e", len(data), 1.0)
+    e = open_object(cache, store, data)
     released = trio.Event()
 
     async def done() -> None:
@@ -213,15 +241,16 @@ async def test_prefetch_object_fills_tier1_and_releases(cache: Cache) -> None:
     cache.release(e)
 
 
-async def test_bytes_that_just_landed_are_served_from_memory(cache: Cache, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_bytes_that_just_landed_are_served_from_memory(
+    cache: Cache, store: Recorded, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A sequential read of a part right after its GET is a memcpy from the part
     buffer; once the part aged out of memory the same bytes come from tier 1,
     and a sequential reader of tier-1 bytes gets the next part staged."""
     part = 2 * PART  # reads of a whole part are then bigger than SMALL_READ
     assert part > SMALL_READ
     data = os.urandom(8 * part)
-    store = FakeStore({"k": data}, delay=0)
-    e = cache.open("k", "e", len(data), 1.0)
+    e = open_object(cache, store, data)
     tier1_reads: list[int] = []
     real = e.read_into
 
@@ -231,8 +260,7 @@ async def test_bytes_that_just_landed_are_served_from_memory(cache: Cache, monke
 
     monkeypatch.setattr(e, "read_into", counted)  # observe which path served a read
     async with trio.open_nursery() as n:
-        r = Reader(store, Workers(4, 1, 4), n, part_size=part, readahead_min=CS,  # type: ignore[arg-type]
-                   landed_bytes=2 * part)
+        r = make_reader(store, n, part_size=part, landed_bytes=2 * part)
         st = ReadState()
         assert bytes(await r.read(e, st, 0, part, part)) == data[:part]
         assert bytes(await r.read(e, st, part, part, part)) == data[part : 2 * part]
@@ -244,28 +272,25 @@ async def test_bytes_that_just_landed_are_served_from_memory(cache: Cache, monke
         assert bytes(await r.read(e, st, 0, part, part)) == data[:part]
         # That read came from tier 1, and it staged the next part (present in
         # tier 1, no longer in memory) with one read ahead of the stream ...
-        while r._staging:
-            await trio.sleep(0.01)
+        await until_empty(r._staging)
         assert tier1_reads == [0, part]
         # ... which the stream's next request then finds in memory.
         assert bytes(await r.read(e, st, part, part, part)) == data[part : 2 * part]
-        while r._staging:
-            await trio.sleep(0.01)
+        await until_empty(r._staging)
         assert sorted(tier1_reads) == [0, part, 2 * part]  # staging moved on ahead
         assert store.bytes_fetched <= len(data)  # nothing fetched twice
         n.cancel_scope.cancel()
     cache.release(e)
 
 
-async def test_a_herd_reading_in_turns_fetches_whole_parts(cache: Cache) -> None:
+async def test_a_herd_reading_in_turns_fetches_whole_parts(cache: Cache, store: Recorded) -> None:
     """N processes reading one cold file take turns: the kernel sends each one's
     next request only for what the page cache lacks, so each handle sees reads
     that continue none of its streams. Near the entry's sequential front such a
     read continues the front (whole parts, readahead); far from it, it is still
     a random read that fetches only its pages."""
     data = os.urandom(32 * PART)
-    store = FakeStore({"k": data}, delay=0)
-    e = cache.open("k", "e", len(data), 1.0)
+    e = open_object(cache, store, data)
     async with trio.open_nursery() as n:
         r = make_reader(store, n)
         handles = [ReadState() for _ in range(4)]
@@ -274,8 +299,7 @@ async def test_a_herd_reading_in_turns_fetches_whole_parts(cache: Cache) -> None
             got = await r.read(e, handles[i % 4], off, step, 4 * PART)
             assert bytes(got) == data[off : off + step]
         assert all(start % PART == 0 and length == PART for start, length in store.gets), store.gets
-        while r._flights:
-            await trio.sleep(0.01)
+        await until_empty(r._flights)
         # The relay's window grew as one reader's would: readahead is a full window ahead.
         assert not e.missing(16 * PART, 20 * PART)
         # Random 4 KiB reads that land near the front by chance (another handle,
@@ -284,7 +308,7 @@ async def test_a_herd_reading_in_turns_fetches_whole_parts(cache: Cache) -> None
         front = max(range(0, 16 * PART, step)) + step
         for off in (front - 3 * PART + 8 * KiB, front - 5 * CS, front + PART + 4 * KiB):
             assert await r.read(e, ReadState(), off, 4 * KiB, 4 * PART) == data[off : off + 4 * KiB]
-        await trio.sleep(0.05)
+            assert not r._flights  # readahead would have claimed its chunks by now
         assert len(store.gets) == gets and e.missing(21 * PART, 22 * PART), store.gets[gets:]
         # Far from the front: a random read, its pages only.
         far = 28 * PART + 8 * KiB
@@ -293,3 +317,61 @@ async def test_a_herd_reading_in_turns_fetches_whole_parts(cache: Cache) -> None
         assert store.bytes_fetched - before == 4 * KiB
         n.cancel_scope.cancel()
     cache.release(e)
+
+
+async def test_an_object_replaced_in_the_store_is_estale(cache: Cache, store: Recorded) -> None:
+    """The ETag the entry was opened with travels with every GET: bytes of another
+    version are never mixed into it."""
+    data = os.urandom(4 * PART)
+    e = open_object(cache, store, data)
+    async with trio.open_nursery() as n:
+        r = make_reader(store, n)
+        assert bytes(await r.read(e, ReadState(), 0, PART, 0)) == data[:PART]
+        store.put("k", os.urandom(4 * PART + 1))  # another node replaced it
+        with pytest.raises(OSError) as exc:
+            await r.read(e, ReadState(), 2 * PART, PART, 0)
+        assert exc.value.errno == errno.ESTALE
+        assert bytes(await r.read(e, ReadState(), 0, PART, 0)) == data[:PART]  # tier 1: old version
+        n.cancel_scope.cancel()
+    cache.release(e)
+
+
+async def test_chunks_evicted_unread_turn_readahead_off_then_reads_go_through_memory(
+    tmp_path: Path, store: Recorded
+) -> None:
+    """Far less room in tier 1 than the reader was told (as when most of the cache
+    is held by files being written): what is fetched ahead is evicted before it
+    is read. The reader notices, cuts readahead, then reads the object from the
+    store through memory: from then on every byte is fetched once, and every
+    read is right throughout."""
+    small = Cache(tmp_path / "small", capacity=6 * CS, chunk_size=CS, min_free=0)
+    small.bind("file:///src")
+    data = os.urandom(256 * CS)
+    e = open_object(small, store, data)
+    try:
+        async with trio.open_nursery() as n:
+            r = make_reader(store, n, part_size=2 * CS, cache_capacity=64 * CS)
+            st = ReadState()
+            half = len(data) // 2
+            for off in range(0, len(data), 2 * CS):
+                if off == half:
+                    assert r.wasted_bytes > 0 and r._uses[e].through  # noticed; stopped caching
+                    before = store.bytes_fetched
+                assert bytes(await r.read(e, st, off, 2 * CS, len(data))) == data[off : off + 2 * CS]
+            n.cancel_scope.cancel()
+        assert store.bytes_fetched - before <= half + 2 * CS  # once each (plus one unit ahead)
+    finally:
+        small.release(e)
+        small.close()
+
+
+async def test_readahead_for_a_closed_object_is_not_fetched(cache: Cache, store: Recorded) -> None:
+    data = os.urandom(32 * PART)
+    e = open_object(cache, store, data)
+    async with trio.open_nursery() as n:
+        r = make_reader(store, n)
+        r.prefetch(e, 0, len(data))  # 32 parts queued behind 4 data threads
+        cache.release(e)  # the last reader is gone before most of them start
+        await until_empty(r._flights)
+        n.cancel_scope.cancel()
+    assert store.bytes_fetched <= 8 * PART, store.bytes_fetched // PART

@@ -1,4 +1,4 @@
-"""S3 adapter against a real SeaweedFS server (plus one fake server for retries)."""
+"""S3 adapter against a real SeaweedFS server (through the fault proxy for retries)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from tests.fault.proxy import FaultProxy, Rule
 from tests.support.seaweed import SeaweedServer
-from tierfs.store import S3Store, StoreError, open_store, parse_source
+from tierfs.store import Listing, S3Store, StoreError, open_store, parse_source
 
 MiB = 1 << 20
 
@@ -140,8 +140,7 @@ def test_head_and_list_nested_under_source_prefix(
     d = store.list_dir("d/")
     assert [f.key for f in d.files] == ["d/b"] and d.dirs == ["e"]  # marker "d/" excluded
     assert store.list_dir("d/e/").files[0].key == "d/e/c"
-    assert store.list_dir("missing/") == store.list_dir("missing/")  # empty, no error
-    assert store.list_dir("missing/").files == []
+    assert store.list_dir("missing/") == Listing([], [])  # empty, no error
 
     info = store.head("d/b")
     raw = c.head_object(Bucket=bucket, Key="src/d/b")
@@ -332,91 +331,51 @@ def test_odd_keys_do_not_crash(store: S3Store) -> None:
 # -- retries -------------------------------------------------------------------------
 
 
-class _FakeS3(BaseHTTPRequestHandler):
-    """Scripted HTTP answers: a real S3 server cannot be made to fail on demand."""
-
-    protocol_version = "HTTP/1.1"
-    script: list[str] = []  # per request: "503" or "short" or "ok"; last entry repeats
-    hits: list[str] = []
-    body = bytes(range(100))
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        action = self.script[min(len(self.hits), len(self.script) - 1)]
-        self.hits.append(self.headers.get("Range", ""))
-        if action == "503":
-            err = b"<Error><Code>SlowDown</Code><Message>Reduce your rate</Message></Error>"
-            self.send_response(503)
-            self.send_header("Content-Type", "application/xml")
-            self.send_header("Content-Length", str(len(err)))
-            self.end_headers()
-            self.wfile.write(err)
-            return
-        first, last = (int(v) for v in self.headers["Range"].removeprefix("bytes=").split("-"))
-        last = min(last, len(self.body) - 1)
-        chunk = self.body[first : last + 1]
-        self.send_response(206)
-        self.send_header("Content-Range", f"bytes {first}-{last}/{len(self.body)}")
-        self.send_header("Content-Length", str(len(chunk)))
-        self.send_header("ETag", '"fake-etag"')
-        self.end_headers()
-        if action == "short":  # promise the whole range, send half, hang up
-            self.wfile.write(chunk[: len(chunk) // 2])
-            self.wfile.flush()
-            self.close_connection = True
-            return
-        self.wfile.write(chunk)
+@pytest.fixture
+def proxy(s3_server: SeaweedServer) -> Iterator[FaultProxy]:
+    with FaultProxy(upstream=s3_server.endpoint, seed=3) as p:
+        yield p
 
 
 @pytest.fixture
-def fake_s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[_FakeS3]]:
-    for k, v in {
-        "AWS_ACCESS_KEY_ID": "fake",
-        "AWS_SECRET_ACCESS_KEY": "fake",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    handler = type("Handler", (_FakeS3,), {"script": [], "hits": []})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    handler.endpoint = f"http://127.0.0.1:{server.server_address[1]}"  # type: ignore[attr-defined]
-    try:
-        yield handler
-    finally:
-        server.shutdown()
-        server.server_close()
+def via_proxy(s3_env: dict[str, str], bucket: str, proxy: FaultProxy, s3_server: SeaweedServer):
+    """(object key, its body, a store factory) for a 100-byte object reached through the proxy."""
+    body = bytes(range(100))
+    s3_server.client().put_object(Bucket=bucket, Key="k", Body=body)
+
+    def make(**kw: object) -> S3Store:
+        s = open_store(f"s3://{bucket}", endpoint_url=proxy.endpoint, **kw)  # type: ignore[arg-type]
+        assert isinstance(s, S3Store)
+        return s
+
+    return "k", body, make
 
 
-def test_throttling_retries_until_deadline(fake_s3: type[_FakeS3], recorder: Recorder) -> None:
-    fake_s3.script = ["503"]
-    store = open_store(
-        "s3://fake-bucket",
-        endpoint_url=fake_s3.endpoint,
-        deadline=2.0,
-        observer=recorder,  # type: ignore[attr-defined]
-    )
+def test_throttling_retries_until_deadline(
+    via_proxy, proxy: FaultProxy, recorder: Recorder
+) -> None:
+    key, _, make = via_proxy
+    store = make(deadline=2.0, observer=recorder)
+    proxy.set_rules([Rule("503", ops={"get"})])
     t0 = time.monotonic()
     with pytest.raises(StoreError) as ei:
-        store.get_range("k", 0, 10)
+        store.get_range(key, 0, 10)
     elapsed = time.monotonic() - t0
     assert ei.value.kind == "throttled" and ei.value.errno == errno.EIO
     assert "HTTP 503 SlowDown" in str(ei.value) and "gave up after" in str(ei.value)
     assert 2.0 <= elapsed < 4.0
     outcomes = recorder.outcomes("get")
     assert outcomes[-1] == "throttled" and outcomes.count("retry") >= 3
-    assert len(fake_s3.hits) == len(outcomes)
+    assert proxy.stats()[("get", "503")] == len(outcomes)
 
 
-def test_truncated_body_is_resumed(fake_s3: type[_FakeS3], recorder: Recorder) -> None:
-    fake_s3.script = ["503", "short", "ok"]
-    store = open_store("s3://fake-bucket", endpoint_url=fake_s3.endpoint, observer=recorder)  # type: ignore[attr-defined]
-    assert store.get_range("k", 10, 40) == fake_s3.body[10:50]
+def test_truncated_body_is_resumed(via_proxy, proxy: FaultProxy, recorder: Recorder) -> None:
+    key, body, make = via_proxy
+    store = make(observer=recorder)
+    proxy.set_rules([Rule("503", ops={"get"}, count=1), Rule("truncate", ops={"get"}, count=1)])
+    assert store.get_range(key, 10, 40) == body[10:50]
     # The retry after the cut asks only for what is still missing.
-    assert fake_s3.hits == ["bytes=10-49", "bytes=10-49", "bytes=30-49"]
+    gets = [e for e in proxy.log if e.op == "get"]
+    assert [e.fault for e in gets] == ["503", "truncate", "none"]
+    assert [e.range for e in gets] == ["bytes=10-49", "bytes=10-49", "bytes=30-49"]
     assert recorder.outcomes("get") == ["retry", "retry", "ok"]

@@ -186,6 +186,13 @@ class Cache:
             raise CacheUnwritable(f"cache dir {self.root} is not writable: {e.strerror}") from None
         return fd
 
+    def set_limits(self, capacity: int, min_free: int) -> None:
+        """The mount's sizes (cache/sizing.py), decided once the cache says what it
+        already holds; eviction follows them from the next store on."""
+        if capacity <= 0 or min_free < 0:
+            raise ValueError("capacity must be positive, min_free not negative")
+        self.capacity, self.min_free = capacity, min_free
+
     def close(self) -> None:
         """Persist what open entries learnt (uses, dirty sizes) and unlock the dir.
         Entries are unusable afterwards."""

@@ -18,9 +18,10 @@ loss is caught on first read. State changes that must survive (sealing a
 write-back file) call `Index.sync()`. No `writemap`: with a shared writable map
 a full disk arrives as SIGBUS instead of ENOSPC.
 
-The data file keeps RESERVE bytes allocated past its end (`hold`): when writers
-have filled the cache disk, the commits that give space back (an upload marked
-landed, an eviction) still have pages to grow into.
+The data file keeps RESERVE bytes (at most 1/16 of a small cache filesystem)
+allocated past its end (`hold`): when writers have filled the cache disk, the
+commits that give space back (an upload marked landed, an eviction) still have
+pages to grow into.
 """
 
 from __future__ import annotations
@@ -227,6 +228,8 @@ class Index:
         self.meta = self.env.open_db(b"meta")
         self._data_fd = os.open(path / "data.mdb", os.O_RDWR | os.O_CLOEXEC)
         self._can_hold = True
+        st = os.statvfs(path)
+        self._reserve = min(RESERVE, st.f_blocks * st.f_frsize // 16)
         self._hold_reserve()
 
     def close(self) -> None:
@@ -235,18 +238,26 @@ class Index:
         os.close(self._data_fd)
 
     def _hold_reserve(self) -> None:
-        """Top the space held past the data file's end back up to RESERVE once half
-        of it is used. One fstat per commit; on a full disk what is left is used."""
+        """Top the space held past the data file's end back up to the reserve once
+        half of it is used. One fstat per commit; on a full disk, as much as fits."""
         if not self._can_hold:
             return
         st = os.fstat(self._data_fd)
-        if st.st_blocks * 512 - st.st_size >= RESERVE // 2:
+        held = st.st_blocks * 512 - st.st_size
+        if held >= self._reserve // 2:
             return
-        try:
-            hold(self._data_fd, st.st_size, RESERVE)
-        except OSError as e:
-            if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
-                self._can_hold = False  # e.g. ZFS: the index grows as plain LMDB does
+        want = self._reserve
+        while want > max(held, 0):
+            try:
+                hold(self._data_fd, st.st_size, want)
+                return
+            except OSError as e:
+                if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+                    self._can_hold = False  # e.g. ZFS: the index grows as plain LMDB does
+                    return
+                if e.errno != errno.ENOSPC:
+                    raise
+                want //= 2
 
     def sync(self) -> None:
         """Make every committed transaction durable (journal-grade state changes)."""

@@ -163,6 +163,26 @@ class Entry:
     def state(self) -> str:
         return STATE_NAMES[self._state]
 
+    @property
+    def closed(self) -> bool:
+        """Released by its last holder: nobody reads it any more."""
+        return self._fd < 0
+
+    @contextmanager
+    def holding(self, start: int, end: int) -> Iterator[None]:
+        """Keep eviction off the chunks of [start, end) meanwhile (in-memory pins,
+        no I/O): a read holds what it waits for, so the fetch of one of its
+        chunks can never shed another it fetched a moment before."""
+        cs = self.chunk_size
+        lo, hi = max(start, 0) // cs, (max(min(end, self.size), start + 1) - 1) // cs
+        with self._mu:
+            self._pin(lo, hi)
+        try:
+            yield
+        finally:
+            with self._mu:
+                self._unpin(lo, hi)
+
     def describe(self) -> CachedObject:
         with self._mu:
             return CachedObject(

@@ -10,6 +10,7 @@ import errno
 import os
 import re
 
+from tierfs.config import MAX_KEY_BYTES
 from tierfs.store.base import Listing, ObjectInfo, RequestObserver, Store, StoreError
 from tierfs.store.local import LocalStore
 from tierfs.store.s3 import S3Store
@@ -92,11 +93,12 @@ def open_store(
     read_timeout: float = 30.0,
     deadline: float = 30.0,
     observer: RequestObserver | None = None,
+    max_key_bytes: int = MAX_KEY_BYTES,
 ) -> Store:
     """The Store for SOURCE `url`. Makes no request: call `check()` to verify it."""
     scheme, where, prefix = parse_source(url)
     if scheme == "file":
-        return LocalStore(where, observer=observer)
+        return LocalStore(where, observer=observer, max_key_bytes=max_key_bytes)
     return S3Store(
         where,
         prefix,
@@ -107,4 +109,5 @@ def open_store(
         read_timeout=read_timeout,
         deadline=deadline,
         observer=observer,
+        max_key_bytes=max_key_bytes,
     )

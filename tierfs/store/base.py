@@ -44,6 +44,18 @@ class StoreError(Exception):
         self.kind = kind
 
 
+def key_too_long(url: str, key: str, full: str, limit: int) -> StoreError | None:
+    """The error for a key whose full store form is over `limit` bytes, else None."""
+    n = len(full.encode("utf-8", "surrogateescape"))
+    if n <= limit:
+        return None
+    return StoreError(
+        f"'{url.rstrip('/')}/{key[:40]}...': key of {n} bytes is over the store's limit of {limit}",
+        errno_=errno.ENAMETOOLONG,
+        kind="invalid",
+    )
+
+
 # Kinds that mean "the store is away", not "the request is wrong": degraded mode
 # and work that waits for the store to return (journaled uploads, dir markers).
 UNREACHABLE_KINDS = frozenset({"unreachable", "timeout", "throttled"})
@@ -60,6 +72,10 @@ class Store(Protocol):
 
     def check(self) -> None:
         """Verify the source exists and the credentials work; raise StoreError with a one-line reason."""
+
+    def check_key(self, key: str) -> None:
+        """Raise StoreError(ENAMETOOLONG) if `key` (with the source's prefix) is
+        longer than the store takes, before anything is written under it."""
 
     def head(self, key: str) -> ObjectInfo: ...
 

@@ -28,7 +28,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
-from tierfs.store.base import Listing, ObjectInfo, RequestObserver, StoreError
+from tierfs.config import MAX_KEY_BYTES
+from tierfs.store.base import Listing, ObjectInfo, RequestObserver, StoreError, key_too_long
 
 log = logging.getLogger("tierfs.store")
 
@@ -112,8 +113,12 @@ class LocalStore:
 
     supports_conditional_put = True
 
-    def __init__(self, root: str, *, observer: RequestObserver | None = None) -> None:
+    def __init__(
+        self, root: str, *, observer: RequestObserver | None = None,
+        max_key_bytes: int = MAX_KEY_BYTES,
+    ) -> None:
         self.root = os.path.normpath(root)
+        self.max_key_bytes = max_key_bytes
         self.url = f"file://{self.root}"
         self.identity = f"file|{self.root}"
         self.observer = observer
@@ -136,7 +141,14 @@ class LocalStore:
                 raise _invalid(f"invalid key {key!r}: '..' segment")
             if part.startswith(HIDDEN_PREFIX):
                 raise _invalid(f"invalid key {key!r}: {HIDDEN_PREFIX}* names are reserved")
+        self.check_key(key)
         return os.path.join(self.root, key)
+
+    def check_key(self, key: str) -> None:
+        """Keys are measured without the root, as an S3 key is without its bucket."""
+        err = key_too_long(self.url, key, key, self.max_key_bytes)
+        if err is not None:
+            raise err
 
     @contextmanager
     def _op(self, op: str, key: str) -> Iterator[list[int]]:

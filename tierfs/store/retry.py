@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from tierfs.store.base import RequestObserver, StoreError
+from tierfs.store.base import UNREACHABLE_KINDS, RequestObserver, StoreError
 
 T = TypeVar("T")
 
@@ -103,12 +103,17 @@ def _retry_loop(
                 log.debug("%s: %s; retry %d in %.2fs", what, failure.reason, tries, delay)
                 time.sleep(delay)
                 continue
-            if observer is not None:
-                observer(op, failure.kind, now - t0, 0)
+            kind = failure.kind
             message = f"{what}: {failure.reason}"
             if failure.retryable:
                 message += f" (gave up after {tries} attempts in {now - start:.1f}s)"
-            raise StoreError(message, errno_=failure.errno, kind=failure.kind) from exc
+                # Failing a whole deadline of retries (resets, 5xx) is a store that
+                # is away, whatever each attempt said: degraded mode, not one EIO.
+                if kind not in UNREACHABLE_KINDS:
+                    kind = "unreachable"
+            if observer is not None:
+                observer(op, kind, now - t0, 0)
+            raise StoreError(message, errno_=failure.errno, kind=kind) from exc
         if observer is not None:
             observer(op, "ok", time.monotonic() - t0, nbytes)
         return result

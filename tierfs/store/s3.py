@@ -49,7 +49,8 @@ from botocore.exceptions import (
 )
 from botocore.response import StreamingBody
 
-from tierfs.store.base import Listing, ObjectInfo, RequestObserver, StoreError
+from tierfs.config import MAX_KEY_BYTES
+from tierfs.store.base import Listing, ObjectInfo, RequestObserver, StoreError, key_too_long
 from tierfs.store.retry import Failure, call_with_retries, time_left
 
 log = logging.getLogger("tierfs.store")
@@ -150,6 +151,7 @@ class S3Store:
         read_timeout: float = 30.0,
         deadline: float = 30.0,
         observer: RequestObserver | None = None,
+        max_key_bytes: int = MAX_KEY_BYTES,
     ) -> None:
         if part_size <= 0 or max_parallel <= 0 or deadline <= 0:
             raise StoreError(
@@ -159,6 +161,7 @@ class S3Store:
             )
         self.bucket = bucket
         self.prefix = prefix
+        self.max_key_bytes = max_key_bytes
         self.part_size = part_size
         self.max_parallel = max_parallel
         self.deadline = deadline
@@ -167,7 +170,15 @@ class S3Store:
         self._connect_timeout = connect_timeout
         self._session = boto3.session.Session()
         self._session_lock = threading.Lock()  # sessions are not thread-safe; clients are
-        self._client = self._make_client(connect_timeout, read_timeout)
+        try:
+            self._client = self._make_client(connect_timeout, read_timeout)
+        except ValueError as exc:  # e.g. AWS_ENDPOINT_URL=host:port, without a scheme
+            where = endpoint_url or os.environ.get("AWS_ENDPOINT_URL", "the AWS configuration")
+            raise StoreError(
+                f"invalid S3 endpoint {where!r} ({exc}): it must start with http:// or https://",
+                errno_=errno.EINVAL,
+                kind="invalid",
+            ) from None
         self.endpoint = _safe_endpoint(self._client.meta.endpoint_url)
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
         self.identity = f"s3|{self.endpoint}|{bucket}|{prefix}"
@@ -205,7 +216,13 @@ class S3Store:
     def _full(self, key: str) -> str:
         if not key:
             raise StoreError("empty object key", errno_=errno.EINVAL, kind="invalid")
+        self.check_key(key)
         return self.prefix + key
+
+    def check_key(self, key: str) -> None:
+        err = key_too_long(self.url, key, self.prefix + key, self.max_key_bytes)
+        if err is not None:
+            raise err
 
     def _what(self, op: str, key: str) -> str:
         return f"{op} '{self.url.rstrip('/')}/{key}'"

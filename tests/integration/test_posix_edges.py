@@ -1,0 +1,131 @@
+"""POSIX calls the rest of the suite did not reach: renameat2 flags, O_DIRECT
+reads, mtimes set through the mount, and writes through a file:// mount.
+Real mounts, real SeaweedFS (or a real directory for file://)."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import MountFactory
+from tests.support.mount import run_tierfs
+from tests.support.seaweed import SeaweedServer
+
+MiB = 1 << 20
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+AT_FDCWD = -100
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def renameat2(old: Path, new: Path, flags: int) -> None:
+    """rename(2) with flags (Python has no renameat2)."""
+    if _libc.renameat2(AT_FDCWD, os.fsencode(old), AT_FDCWD, os.fsencode(new), flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(new))
+
+
+def flush(m) -> None:  # type: ignore[no-untyped-def]
+    res = run_tierfs("flush", str(m.mountpoint), env=m.env, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+def obj(s3: SeaweedServer, bucket: str, key: str) -> bytes:
+    return s3.client().get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+def test_rename_noreplace_and_exchange(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+) -> None:
+    m = mount_factory(f"s3://{bucket}")
+    mp = m.mountpoint
+    (mp / "a.txt").write_bytes(b"a")
+    (mp / "b.txt").write_bytes(b"b")
+    with pytest.raises(OSError) as exc:
+        renameat2(mp / "a.txt", mp / "b.txt", RENAME_NOREPLACE)
+    assert exc.value.errno == errno.EEXIST
+    assert (mp / "a.txt").read_bytes() == b"a" and (mp / "b.txt").read_bytes() == b"b"
+    renameat2(mp / "a.txt", mp / "c.txt", RENAME_NOREPLACE)  # a free name: an ordinary rename
+    assert sorted(os.listdir(mp)) == ["b.txt", "c.txt"]
+    # An atomic swap cannot be made of S3 copies: refused, both files untouched.
+    with pytest.raises(OSError) as exc:
+        renameat2(mp / "b.txt", mp / "c.txt", RENAME_EXCHANGE)
+    assert exc.value.errno == errno.EINVAL
+    assert (mp / "b.txt").read_bytes() == b"b" and (mp / "c.txt").read_bytes() == b"a"
+    flush(m)
+    assert obj(s3_server, bucket, "c.txt") == b"a" and obj(s3_server, bucket, "b.txt") == b"b"
+
+
+def test_o_direct_reads_of_cold_and_cached_bytes(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+) -> None:
+    """Fast loaders (and GDS compat mode) read with O_DIRECT and 4 KiB-aligned I/O."""
+    data = os.urandom(8 * MiB)
+    s3_server.client().put_object(Bucket=bucket, Key="shards/x.tar", Body=data)
+    m = mount_factory(f"s3://{bucket}")
+    buf = mmap.mmap(-1, MiB)  # page-aligned, as O_DIRECT wants
+    for _ in range(2):  # first from the store, then from tier 1
+        fd = os.open(m.mountpoint / "shards/x.tar", os.O_RDONLY | os.O_DIRECT)
+        try:
+            h = hashlib.sha256()
+            for off in (0, 4096, 3 * MiB + 8192, 7 * MiB):
+                n = os.preadv(fd, [buf], off)
+                assert n == min(MiB, len(data) - off)
+                assert buf[:n] == data[off : off + n]
+            while (n := os.readv(fd, [buf])) > 0:  # sequential (preadv moved no offset)
+                h.update(buf[:n])
+        finally:
+            os.close(fd)
+        assert h.digest() == hashlib.sha256(data).digest()
+    assert m.metric("tierfs_store_bytes_total{op=get}") <= 1.1 * len(data)
+
+
+def test_mtime_set_through_the_mount_is_stored_with_the_object(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+) -> None:
+    m = mount_factory(f"s3://{bucket}")
+    path = m.mountpoint / "ckpt/model.pt"
+    path.parent.mkdir()
+    when = 1_600_000_000.25
+    with open(path, "wb") as f:
+        f.write(b"w" * 4096)
+        f.flush()  # the write first (a write after it would set the mtime again)
+        os.utime(f.fileno(), (when, when))  # then the mtime, before the close that uploads it
+    assert os.stat(path).st_mtime == pytest.approx(when, abs=1e-3)
+    flush(m)
+    head = s3_server.client().head_object(Bucket=bucket, Key="ckpt/model.pt")
+    assert float(head["Metadata"]["tierfs-mtime"]) == pytest.approx(when, abs=1e-6)
+
+
+def test_writes_through_a_file_source(mount_factory: MountFactory, tmp_path: Path) -> None:
+    """A shared directory as the store: write-back, write-through and publishing
+    all land as plain files, renames and deletes too."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    (root / "old.txt").write_bytes(b"old")
+    m = mount_factory(f"file://{root}")
+    mp = m.mountpoint
+    ckpt = os.urandom(3 * MiB + 17)
+    (mp / "run/step-1").mkdir(parents=True)
+    (mp / "run/step-1/model.pt").write_bytes(ckpt)  # write-back
+    (mp / "notes.txt").write_bytes(b"notes")  # write-through
+    (mp / "run/step-1/latest.tmp").write_bytes(b"step-1")
+    os.replace(mp / "run/step-1/latest.tmp", mp / "run/latest")  # published after its barrier
+    os.rename(mp / "old.txt", mp / "renamed.txt")
+    os.unlink(mp / "notes.txt")
+    flush(m)
+    assert (root / "run/step-1/model.pt").read_bytes() == ckpt
+    assert (root / "run/latest").read_bytes() == b"step-1"
+    assert (root / "renamed.txt").read_bytes() == b"old"
+    assert not (root / "old.txt").exists() and not (root / "notes.txt").exists()
+    assert not (root / "run/step-1/latest.tmp").exists()
+    with open(mp / "renamed.txt", "r+b") as f:  # rewrite in place
+        f.seek(1)
+        f.write(b"X")
+    flush(m)
+    assert (root / "renamed.txt").read_bytes() == b"oXd"
