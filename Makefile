@@ -4,10 +4,11 @@
 VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
+ML_STAMP := $(VENV)/.ml-installed
 DEB     := fuse3 libfuse3-dev pkg-config gcc
 PYTEST_ARGS ?=
 
-.PHONY: all demo test deps peer-deps setup lint bench clean install uninstall
+.PHONY: all demo test deps peer-deps setup ml-deps lint bench clean install uninstall
 
 # `make install` (as root): a self-contained venv under PREFIX, `tierfs` on the
 # PATH, the mount(8) helper, the systemd unit and an example config.
@@ -48,10 +49,18 @@ $(STAMP): pyproject.toml $(PYFUSE3_STAMP)
 
 setup: deps $(STAMP)
 
+# tests/ml and bench/mlworkloads.py: PyTorch (CPU wheel: the extra pins torch==2.13.0
+# exactly), safetensors, webdataset, matplotlib.
+$(ML_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e '.[test,ml]'
+	touch $(ML_STAMP)
+
+ml-deps: setup $(ML_STAMP)
+
 demo: setup
 	$(PY) scripts/demo.py
 
-test: setup
+test: setup ml-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Benchmarks (root: they drop the page cache); JSON lands in bench/results/.
@@ -61,7 +70,7 @@ BENCH_SIZE ?= 1G
 PEERS   ?=
 PEER_DEB := rclone s3fs
 BENCH_ARGS = --size $(BENCH_SIZE) --runs $(BENCH_RUNS) $(if $(PEERS),--peers)
-bench: setup $(if $(PEERS),peer-deps)
+bench: setup ml-deps $(if $(PEERS),peer-deps)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) bench/seqread.py $(BENCH_ARGS)
 	$(PY) bench/randread.py $(BENCH_ARGS)
@@ -69,6 +78,7 @@ bench: setup $(if $(PEERS),peer-deps)
 	$(PY) bench/ckptwrite.py $(BENCH_ARGS)
 	$(PY) bench/modelload.py --size 1G --runs $(BENCH_RUNS) $(if $(PEERS),--peers)
 	$(PY) bench/memory.py --size $(BENCH_SIZE) --runs 1
+	$(PY) bench/mlworkloads.py --size 1G --runs $(BENCH_RUNS) $(if $(PEERS),--peers)
 
 # After deps: s3fs depends on `fuse`, which fuse3 provides; installed first, fuse3 stays.
 peer-deps: deps

@@ -534,8 +534,10 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_status)
 
     from tierfs.cli_ops import add_parsers, guard
+    from tierfs.coldstart.command import add_parser as add_coldstart
 
     add_parsers(sub, guard)
+    add_coldstart(sub)
     return p
 
 
