@@ -72,8 +72,8 @@ class ClassSettings:
     keep_cache: bool  # keep kernel page cache across opens
     # "writeback": close returns once sealed locally, upload follows;
     # "writethrough": close returns once the store has it;
-    # "publish": writethrough + barrier (every upload pending in the directory
-    # subtree lands first) + conditional PUT (If-Match / If-None-Match: *).
+    # "publish": barrier (every upload pending in the directory subtree lands
+    # first) + conditional PUT (If-Match / If-None-Match: *); see `publish`.
     write_mode: str
     readahead_max: int  # bytes; 0 disables readahead for the class
     # Write-only opens bypass the kernel page cache (FOPEN_DIRECT_IO): each
@@ -81,6 +81,14 @@ class ClassSettings:
     # write-back; large writes (checkpoints: 1 MiB+) are faster, small ones
     # (< 64 KiB) slower, a round trip each. Read-write opens (mmap) keep it.
     direct_writes: bool = False
+    # Write-back: seconds a closed file stays quiet before its upload starts, so
+    # that a rename, unlink or reopen right after close costs no upload (a
+    # temporary name's grace period is this too). flush/umount do not wait it.
+    upload_delay: float = 0.0
+    # Publish: "background": close/rename return once the manifest and its
+    # barrier are journaled here, the conditional PUT follows; "wait": they
+    # return once it is published (ESTALE at close for a lost race).
+    publish: str = "background"
 
 
 # The largest per-stream readahead window of the bulk classes. It matches the
@@ -111,6 +119,11 @@ CONNECT_TIMEOUT = 5.0
 READ_TIMEOUT = 30.0
 DEADLINE = 30.0  # per store operation, retries included
 MAX_CONNECTIONS = 64  # HTTP connections kept to the store (>= worker threads that use it)
+
+# Write-back: a closed file's quiet delay before its upload, and the grace
+# period of a file under a temporary name (never renamed: uploaded as is).
+QUIET_DELAY = 1.0
+TEMP_GRACE = 30.0
 
 # Tier 1.
 CHUNK_SIZE = 1 * MiB
@@ -147,7 +160,8 @@ QUEUED_WRITES = 32 * MiB
 DEFAULT_CLASSES: dict[str, ClassSettings] = {
     "dataset": ClassSettings(
         "dataset", attr_ttl=300.0, list_ttl=300.0, revalidate_on_open=False,
-        keep_cache=True, write_mode="writethrough", readahead_max=READAHEAD,
+        keep_cache=True, write_mode="writeback", readahead_max=READAHEAD,
+        upload_delay=QUIET_DELAY,
     ),
     "checkpoint": ClassSettings(
         "checkpoint", attr_ttl=60.0, list_ttl=60.0, revalidate_on_open=False,
@@ -159,13 +173,33 @@ DEFAULT_CLASSES: dict[str, ClassSettings] = {
     ),
     "default": ClassSettings(
         "default", attr_ttl=10.0, list_ttl=10.0, revalidate_on_open=False,
-        keep_cache=True, write_mode="writethrough", readahead_max=READAHEAD,
+        keep_cache=True, write_mode="writeback", readahead_max=READAHEAD,
+        upload_delay=QUIET_DELAY,
+    ),
+    # Temporary names (DESIGN §2): kept here, not uploaded under that name; a
+    # rename re-keys them (the new name's class applies), the grace period
+    # uploads one left alone.
+    "staged": ClassSettings(
+        "staged", attr_ttl=10.0, list_ttl=10.0, revalidate_on_open=False,
+        keep_cache=True, write_mode="writeback", readahead_max=READAHEAD,
+        direct_writes=True, upload_delay=TEMP_GRACE,
     ),
 }
 
 # Ordered (glob, class); first match wins. A glob without '/' matches the
 # basename, one with '/' the whole path ('**' spans directories).
 DEFAULT_RULES: tuple[tuple[str, str], ...] = (
+    # Temporary names first: `x.pt.tmp` is not a checkpoint yet. `.tmp??????`:
+    # Rust's tempfile crate (safetensors); `tmp????????`: Python's tempfile.
+    ("*.tmp", "staged"),
+    ("*.tmp.*", "staged"),
+    (".*.tmp", "staged"),
+    ("*.partial", "staged"),
+    ("*.incomplete", "staged"),
+    ("*~", "staged"),
+    (".tmp??????", "staged"),
+    ("tmp????????", "staged"),
+    ("tmp????????.*", "staged"),
     (".metadata", "manifest"),
     ("*.index.json", "manifest"),
     ("latest", "manifest"),
@@ -299,6 +333,7 @@ def parse_listen_addr(text: str, allow_remote: bool = False) -> tuple[str, int]:
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 WRITE_MODES = ("writeback", "writethrough", "publish")
+PUBLISH_MODES = ("background", "wait")
 
 
 class ConfigFileError(ConfigError):
@@ -363,6 +398,13 @@ def _want_finite_seconds(v: Any) -> float:
     s = _want_seconds(v)
     if math.isinf(s) or s <= 0:
         raise ConfigError(f"expected a positive number of seconds, got {v!r}")
+    return s
+
+
+def _want_delay(v: Any) -> float:
+    s = _want_seconds(v)
+    if math.isinf(s):
+        raise ConfigError(f"expected a finite number of seconds, got {v!r}")
     return s
 
 
@@ -454,6 +496,8 @@ _CLASS_KEYS: dict[str, Callable[[Any], Any]] = {
     "write_mode": _want_str,
     "readahead_max": _want_size,
     "direct_writes": _want_bool,
+    "upload_delay": _want_delay,
+    "publish": _want_str,
 }
 _TOP_SPECIAL = {"rules", "default_rules"}
 
@@ -594,6 +638,10 @@ def _interpret(doc: dict[str, Any], text: str, path: Path) -> dict[str, Any]:
             if k == "write_mode" and got not in WRITE_MODES:
                 fail(("classes", name, k),
                      f"classes.{name}.write_mode must be one of {', '.join(WRITE_MODES)}")
+                continue
+            if k == "publish" and got not in PUBLISH_MODES:
+                fail(("classes", name, k),
+                     f"classes.{name}.publish must be one of {', '.join(PUBLISH_MODES)}")
                 continue
             changes[k] = got
         classes[name] = replace(base, **changes)

@@ -54,8 +54,8 @@ from tierfs.workers import Workers, tune_malloc
 from tierfs.writeback.barrier import Barrier
 from tierfs.writeback.core import WriteBack
 from tierfs.writeback.journal import Journal
-from tierfs.writeback.publish import Publisher
-from tierfs.writeback.quarantine import Quarantine
+from tierfs.writeback.publish import Publisher, Records
+from tierfs.writeback.quarantine import Conflicts, Quarantine
 from tierfs.writeback.queue import QueuedWrites
 from tierfs.writeback.session import WriteContext
 from tierfs.writeback.uploader import Uploader
@@ -122,15 +122,21 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
                          prefetch_min_size=cfg.prefetch_min_size,
                          observe_latency=metrics.read_latency, settle=queued.drain_entry)
         quarantine = Quarantine(cache_dir / "quarantine", cache)
+        conflicts = Conflicts(cache_dir / "conflicts", cache)
         uploader = Uploader(
             store, cache, journal, quarantine, workers, upload_parts, health,
             part_size=cfg.part_size, parallel_parts=cfg.max_parallel_puts,
             max_files=cfg.max_parallel_uploads, on_landed=ns.uploaded,
-            on_dropped=ns.local_dropped, observe=metrics.writeback_event)
-        barrier = Barrier(journal, partial(workers.disk, quarantine.notes),
-                          release_grace=RELEASE_GRACE)
-        publisher = Publisher(uploader, barrier, journal, cache, workers,
-                              conflicts_dir=cache_dir / "conflicts", conditional=p.conditional)
+            on_dropped=ns.local_dropped,
+            on_conflict=lambda pf, entry, exc: publisher.conflict(pf, entry, exc),
+            observe=metrics.writeback_event)
+        barrier = Barrier(
+            journal, partial(workers.disk, lambda: quarantine.notes() + conflicts.notes()),
+            hurry=uploader.hurry, release_grace=RELEASE_GRACE)
+        publisher = Publisher(uploader, barrier, journal, conflicts,
+                              Records(cache_dir / "publish"), workers, nursery,
+                              conditional=p.conditional, on_dropped=ns.local_dropped,
+                              observe=metrics.writeback_event)
         ctx = WriteContext(
             cache=cache, policy=policy, workers=workers, health=health, journal=journal,
             queued=queued, uploader=uploader, publisher=publisher, read=reads.read,

@@ -77,8 +77,8 @@ class TreeChanges:
         if src.is_dir:
             copied = await self.wb.rename_tree(src.key, f"{target}/")
         elif self.ns.policy.settings(target).write_mode == "publish":
-            copied = [await self.wb.publish_rename(
-                src.path, target, if_match=(dst.etag or None) if dst is not None else None)]
+            copied = await self.wb.publish_rename(
+                src.path, target, if_match=(dst.etag or None) if dst is not None else None)
         else:
             copied = await self.wb.rename_file(src.path, target)
         self.ns.move(parent_old, old, parent_new, new)

@@ -112,6 +112,7 @@ def run_barrier_workload(a: Path, b: Path) -> list[str]:
 # Writer A uploads one part at a time, as from a slow or busy store, so that
 # uploads are still running when the writer reaches its commit point.
 SLOW_UPLOADS = "[store]\nmax_parallel_uploads = 1\nmax_parallel_puts = 1\n"
+NO_BARRIER = '[classes.manifest]\nwrite_mode = "writeback"\n[classes.staged]\nwrite_mode = "writethrough"\n'
 
 
 @pytest.mark.timeout(900)
@@ -129,9 +130,11 @@ def test_manifest_barrier_across_mounts(
 def test_without_the_barrier_readers_see_incomplete_checkpoints(
     mount_factory: MountFactory, bucket: str, tmp_path: Path
 ) -> None:
-    """The control experiment: manifests written back like any checkpoint file."""
+    """The control experiment: manifests written back like any checkpoint file, and
+    their temporary files uploaded at close (so the rename is a server-side copy,
+    visible at once: the uploader's queue order cannot hide the missing barrier)."""
     cfg = tmp_path / "writeback-everything.toml"
-    cfg.write_text(SLOW_UPLOADS + '[classes.manifest]\nwrite_mode = "writeback"\n')
+    cfg.write_text(SLOW_UPLOADS + NO_BARRIER)
     a = mount_factory(f"s3://{bucket}", "--config", str(cfg))
     b = mount_factory(f"s3://{bucket}")
     violations = run_barrier_workload(a.mountpoint, b.mountpoint)
@@ -139,11 +142,15 @@ def test_without_the_barrier_readers_see_incomplete_checkpoints(
 
 
 def test_concurrent_manifest_writers_one_wins(
-    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
 ) -> None:
+    """With publish = "wait", the loser learns at close (ESTALE); the background
+    publish's loss is reported afterwards (test_write_staged.py)."""
     s3_server.client().put_object(Bucket=bucket, Key="run/latest", Body=b"100")
-    a = mount_factory(f"s3://{bucket}")
-    b = mount_factory(f"s3://{bucket}")
+    cfg = tmp_path / "wait.toml"
+    cfg.write_text('[classes.manifest]\npublish = "wait"\n')
+    a = mount_factory(f"s3://{bucket}", "--config", str(cfg))
+    b = mount_factory(f"s3://{bucket}", "--config", str(cfg))
     fa = os.open(a.mountpoint / "run/latest", os.O_WRONLY | os.O_TRUNC)
     fb = os.open(b.mountpoint / "run/latest", os.O_WRONLY | os.O_TRUNC)
     os.write(fa, b"200 from A")

@@ -112,7 +112,7 @@ def test_reads_and_stats_answer_while_a_1gib_file_is_sealed(
 
 
 def test_write_through_closes_do_not_delay_uncached_reads(
-    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
 ) -> None:
     """Four concurrent write-through closes of 64 MiB files (each one uploading
     while its close waits) delay no uncached read (a ranged GET) by more than
@@ -123,7 +123,9 @@ def test_write_through_closes_do_not_delay_uncached_reads(
     uploads (p90 1.3-2.3 s where boto3 took a few hundred ms)."""
     data = os.urandom(64 * MiB)
     s3_server.client().put_object(Bucket=bucket, Key="cold.tar", Body=data)
-    m = mount_factory(f"s3://{bucket}")
+    cfg = tmp_path / "through.toml"  # write-through, a per-class option
+    cfg.write_text('[classes.default]\nwrite_mode = "writethrough"\n')
+    m = mount_factory(f"s3://{bucket}", "--config", str(cfg))
     mp = m.mountpoint
     fd = os.open(mp / "cold.tar", os.O_RDONLY)  # dataset class: 4 KiB reads fetch 4 KiB
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)

@@ -40,11 +40,15 @@ def flush(m) -> None:  # type: ignore[no-untyped-def]
     assert res.returncode == 0, res.stderr
 
 
-def test_posix_writes(mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer) -> None:
+def test_posix_writes(mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer,
+                      tmp_path: Path) -> None:
     s3_server.client().put_object(Bucket=bucket, Key="old.txt", Body=b"0123456789")
-    m = mount_factory(f"s3://{bucket}")
+    cfg = tmp_path / "through.toml"  # write-through, a per-class option: each step checks the bucket
+    cfg.write_text('[classes.default]\nwrite_mode = "writethrough"\n'
+                   '[classes.dataset]\nwrite_mode = "writethrough"\n')
+    m = mount_factory(f"s3://{bucket}", "--config", str(cfg))
     mp = m.mountpoint
-    # create + write-through (default class): in the bucket when close returns
+    # create + write-through: in the bucket when close returns
     (mp / "a.txt").write_bytes(b"hello")
     assert obj(s3_server, bucket, "a.txt") == b"hello"
     # overwrite in place, pwrite into the middle, append
@@ -219,6 +223,7 @@ def test_save_tmp_then_replace_and_directory_rename(
     (mp / "latest.txt").write_text("7")
     (mp / "latest.tmp").write_text("8")
     os.replace(mp / "latest.tmp", mp / "latest.txt")
+    flush(m)  # write-back: in the bucket once flushed
     assert obj(s3_server, bucket, "latest.txt") == b"8"
     assert "latest.tmp" not in keys(s3_server, bucket)
 

@@ -192,14 +192,21 @@ def test_key_too_long_for_the_store_is_not_retried_forever(
     assert note["key"].endswith("x" * 40 + ".pt")
 
 
+def write_through(tmp_path: Path) -> Path:
+    """A config making the default class write-through (a per-class option)."""
+    cfg = tmp_path / "through.toml"
+    cfg.write_text('[classes.default]\nwrite_mode = "writethrough"\n')
+    return cfg
+
+
 def test_write_through_close_with_another_writer_open_is_uploaded(
-    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
 ) -> None:
     """Item 5. A write-through close returns once the store has the bytes, also
     while another descriptor still has the file open for writing. Before: it
     returned success with nothing uploaded."""
-    m = mount_factory(f"s3://{bucket}")
-    p = m.mountpoint / "shared.txt"  # default class: write-through
+    m = mount_factory(f"s3://{bucket}", "--config", str(write_through(tmp_path)))
+    p = m.mountpoint / "shared.txt"  # default class, made write-through
     a = os.open(p, os.O_CREAT | os.O_WRONLY)
     b = os.open(p, os.O_WRONLY)
     try:
@@ -216,12 +223,13 @@ def test_write_through_close_with_another_writer_open_is_uploaded(
 
 
 def test_write_through_close_refused_by_the_store_fails_and_nothing_lands(
-    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
 ) -> None:
     """Item 5. A write-through close the store refuses (read-only credentials)
     fails with the store's errno, and the bytes are never uploaded later: flush
     succeeds (nothing acknowledged is pending) and the name is gone."""
-    m = mount_factory(f"s3://{bucket}", env=s3_server.readonly_env())
+    m = mount_factory(f"s3://{bucket}", "--config", str(write_through(tmp_path)),
+                      env=s3_server.readonly_env())
     with pytest.raises(OSError) as exc:
         (m.mountpoint / "notes.txt").write_bytes(b"not allowed")  # default class
     assert exc.value.errno == errno.EACCES

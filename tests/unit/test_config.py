@@ -52,7 +52,7 @@ def test_example_config_loads_and_means_what_it_says() -> None:
     assert cfg.metrics_addr == "127.0.0.1:9464"
     assert cfg.memory_budget == 256 * MiB and cfg.max_parallel_puts == 8
     assert math.isinf(cfg.classes["dataset"].list_ttl)
-    assert [n for n, c in cfg.classes.items() if c.direct_writes] == ["checkpoint"]
+    assert [n for n, c in cfg.classes.items() if c.direct_writes] == ["checkpoint", "staged"]
     assert cfg.classes["manifest"] == replace(DEFAULT_CLASSES["manifest"], readahead_max=64 * MiB)
     # file rules first, built-ins after
     assert cfg.rules[:2] == (("shards/**", "dataset"), ("*.jsonl", "dataset"))
@@ -80,7 +80,7 @@ def test_new_class_and_replacing_the_default_rules(tmp_path: Path) -> None:
     cfg = build_config(load_config_file(p), "s3://bkt", "/mnt/x")
     assert cfg.rules == (("hot/**", "hot"),)
     hot = cfg.classes["hot"]
-    assert (hot.attr_ttl, hot.list_ttl, hot.write_mode) == (1.0, math.inf, "writethrough")
+    assert (hot.attr_ttl, hot.list_ttl, hot.write_mode) == (1.0, math.inf, "writeback")
 
 
 @pytest.mark.parametrize(
@@ -95,6 +95,8 @@ def test_new_class_and_replacing_the_default_rules(tmp_path: Path) -> None:
         ('[[rules]]\nglob = "*.[a"\nclass = "dataset"\n', 2, "unclosed '['"),
         ('[classes.dataset]\nattr_ttl = 5\nwrite_mode = "sometimes"\n', 3, "write_mode must be one of"),
         ('[classes.dataset]\nlist_ttl = -3\n', 2, "must be >= 0"),
+        ('[classes.manifest]\npublish = "later"\n', 2, "publish must be one of"),
+        ('[classes.staged]\nupload_delay = "inf"\n', 2, "finite number of seconds"),
         ('[classes.checkpoint]\ndirect_writes = "yes"\n', 2, "direct_writes"),
         ('[metrics]\naddr = "0.0.0.0:9464"\n', 2, "not loopback"),
         ('[logging]\nlevel = "loud"\n', 2, "log level must be one of"),

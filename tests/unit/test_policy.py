@@ -28,10 +28,32 @@ def policy() -> Policy:
         ("data/train.parquet", "dataset"),
         ("notes.txt", "default"),
         ("data/latest.txt", "default"),
+        # temporary names: staged whatever their final name's class would be
+        ("ckpt/step-10/.metadata.tmp", "staged"),
+        ("ckpt/model.pt.tmp", "staged"),
+        ("a/checkpoints/x.pt.tmp.1234", "staged"),
+        ("d/.shard.tar.tmp", "staged"),
+        ("dl/model.bin.partial", "staged"),
+        ("dl/model.bin.incomplete", "staged"),
+        ("notes.txt~", "staged"),
+        ("m/.tmpA1b2C3", "staged"),
+        ("tmpk3j_a9zq", "staged"),
+        ("tmpk3j_a9zq.pt", "staged"),
+        ("tmp", "default"),
+        ("tmp/notes.txt", "default"),
     ],
 )
 def test_default_rules(policy: Policy, path: str, cls: str) -> None:
     assert policy.settings(path).name == cls
+
+
+def test_new_defaults_write_back_after_a_quiet_delay() -> None:
+    """Issue 18: every class but manifests writes back; manifests publish behind."""
+    modes = {n: (c.write_mode, c.upload_delay) for n, c in DEFAULT_CLASSES.items()}
+    assert modes == {"dataset": ("writeback", 1.0), "checkpoint": ("writeback", 0.0),
+                     "manifest": ("publish", 0.0), "default": ("writeback", 1.0),
+                     "staged": ("writeback", 30.0)}
+    assert DEFAULT_CLASSES["manifest"].publish == "background"
 
 
 def test_first_match_wins_and_reports_rule() -> None:

@@ -5,8 +5,9 @@ started is in the store. "Closed" includes a close(2) that returned while
 its RELEASE is still on the way (the kernel sends RELEASE after close(2)
 returns; FLUSH, which seals the file, is synchronous): such a file gets a
 short grace for its RELEASE, then counts as still open. A file the store
-refused for good fails the barrier, now and until it is retried or
-discarded. It never waits silently or forever: it reports progress as it
+refused for good (or a manifest whose background publish lost its race)
+fails the barrier, now and until it is retried or discarded. A barrier waits
+for no quiet delay or grace period: it starts the uploads it waits for. It never waits silently or forever: it reports progress as it
 goes and gives up once nothing moved for `stall` seconds.
 """
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import trio
 
 from tierfs.writeback.journal import Journal, PendingFile
-from tierfs.writeback.quarantine import REFUSED, Note
+from tierfs.writeback.quarantine import FAILED_KINDS, Note
 
 PROGRESS_EVERY = 1.0  # seconds between progress reports
 POLL = 0.25  # seconds between looks at the files waited for, at most
@@ -45,14 +46,32 @@ class FlushOutcome:
 Progress = Callable[[dict[str, object]], Awaitable[None]]
 
 
+Waits = list[tuple[PendingFile, int]]  # the files waited for, at the version closed
+
+
 class Barrier:
     def __init__(
         self, journal: Journal, refused: Callable[[], Awaitable[list[Note]]], *,
-        release_grace: float,
+        hurry: Callable[[PendingFile], None], release_grace: float,
     ) -> None:
         self.journal = journal
-        self.refused = refused  # quarantine notes (a disk read)
+        self.refused = refused  # notes of files that failed for good (a disk read)
+        self.hurry = hurry  # end a file's quiet delay: a barrier waits for no timer
         self.release_grace = release_grace
+
+    def snapshot(
+        self, prefix: str, out: FlushOutcome, *, exclude: frozenset[str] = frozenset()
+    ) -> Waits:
+        """The files under `prefix` closed by now and not in the store yet."""
+        waits: Waits = []
+        for pf in self.journal.under(prefix):
+            if pf.key in exclude or not (pf.local or pf.sealed):
+                continue  # nothing of it is only here
+            if pf.sessions and not all(s.closed for s in pf.sessions):
+                out.still_open.append(pf.key)
+            elif pf.sealed or pf.sessions:
+                waits.append((pf, pf.version))
+        return waits
 
     async def flush(
         self,
@@ -63,21 +82,29 @@ class Barrier:
         progress: Progress | None = None,
     ) -> FlushOutcome:
         out = FlushOutcome()
+        await self.wait(self.snapshot(prefix, out, exclude=exclude), out,
+                        stall=stall, progress=progress)
+        failed = {f["key"] for f in out.failed}
+        for note in await self.refused():
+            if note.kind in FAILED_KINDS and note.key.startswith(prefix) and note.key not in failed:
+                out.failed.append({"key": note.key, "reason": note.reason})
+        return out
+
+    async def wait(
+        self, waits: Waits, out: FlushOutcome, *, stall: float | None = None,
+        progress: Progress | None = None,
+    ) -> None:
+        """Until every file of `waits` landed or ended otherwise (noted in `out`), or
+        nothing moved for `stall` seconds."""
         started = trio.current_time()
-        waits: list[tuple[PendingFile, int]] = []
-        for pf in self.journal.under(prefix):
-            if pf.key in exclude or not (pf.local or pf.sealed):
-                continue  # nothing of it is only here
-            if pf.sessions and not all(s.closed for s in pf.sessions):
-                out.still_open.append(pf.key)
-            elif pf.sealed or pf.sessions:
-                waits.append((pf, pf.version))
         moved_at, figure, reported = started, None, started
         while waits:
             now = trio.current_time()
             waits = [w for w in waits if not self._settled(*w, out, now - started)]
             if not waits:
                 break
+            for pf, _ in waits:  # (again: a RELEASE that came since started a delay)
+                self.hurry(pf)
             now_figure = (len(waits), sum(pf.uploaded for pf, _ in waits))
             if now_figure != figure:
                 figure, moved_at = now_figure, now
@@ -91,11 +118,6 @@ class Barrier:
                                 "landed": len(out.landed)})
             with trio.move_on_after(POLL):
                 await self.journal.wait_change()
-        failed = {f["key"] for f in out.failed}
-        for note in await self.refused():
-            if note.kind == REFUSED and note.key.startswith(prefix) and note.key not in failed:
-                out.failed.append({"key": note.key, "reason": note.reason})
-        return out
 
     def _settled(self, pf: PendingFile, version: int, out: FlushOutcome, waited: float) -> bool:
         """Whether the barrier is done with `pf` (noting how it ended)."""
@@ -103,7 +125,7 @@ class Barrier:
             out.landed.append(pf.key)
             return True
         if pf.gone.is_set():
-            if pf.outcome == "refused":
+            if pf.outcome in FAILED_KINDS:
                 out.failed.append({"key": pf.key, "reason": pf.error or "refused by the store"})
             return True  # otherwise dropped, unlinked, replaced: nothing to land
         if pf.version != version:

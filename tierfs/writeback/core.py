@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 from tierfs.store.base import UNREACHABLE_KINDS, ObjectInfo, Store, StoreError
 from tierfs.writeback.barrier import Barrier, FlushOutcome, Progress
-from tierfs.writeback.journal import PendingFile
+from tierfs.writeback.journal import Condition, PendingFile
 from tierfs.writeback.quarantine import Note, Quarantine
 from tierfs.writeback.session import WriteContext, WriteSession
 
@@ -157,9 +157,27 @@ class WriteBack:
             return []
         return [await self._move_stored(old, new)]
 
-    async def publish_rename(self, old: str, new: str, *, if_match: str | None) -> ObjectInfo:
-        """os.replace(tmp, manifest) is the commit point of a checkpoint: publish it
-        like a manifest close (barrier + conditional PUT), then drop the source."""
+    async def publish_rename(self, old: str, new: str, *,
+                             if_match: str | None) -> list[ObjectInfo]:
+        """os.replace(tmp, manifest) is the commit point of a checkpoint: published
+        like a manifest close. A file pending here is re-keyed and its barrier
+        journaled (the PUT follows); a stored one, or `publish = "wait"`, waits
+        for the barrier and the conditional PUT of its bytes under `new`."""
+        pf = self.journal.get(old)
+        if self.ctx.policy.settings(new).publish == "background" and pf is not None and pf.local:
+            dst = self.journal.get(new)
+            inherited = dst.condition if dst is not None and dst.local else None
+            await self._move_local(old, new, hand_over=False)
+            await self.workers.meta(self.store.delete, old)  # an older stored version of it
+            if inherited is not None:  # replaces one never published: the same store version
+                pf.condition = inherited
+            else:
+                self.ctx.publisher.retarget(pf, if_match)
+            if pf.sealed:  # else its close journals the barrier
+                await self.ctx.publisher.journal_barrier(pf, if_match=if_match)
+                if not pf.sessions:
+                    self.ctx.hand_over(pf)
+            return []
         src = await self.workers.disk(self.cache.open_existing, old)
         info = None
         try:
@@ -178,13 +196,16 @@ class WriteBack:
             await self._supersede(dst)
         await self.workers.disk(self.cache.remove, new)
         await self.delete(old)
-        return info
+        return [info]
 
     async def rename_tree(self, old: str, new: str) -> list[ObjectInfo]:
         """Directory rename (`old`, `new` are 'a/b/' prefixes): every object below is
         moved one by one (S3 has no atomic rename); markers keep empty dirs."""
+        pending = self.journal.under(old)
+        for pf in pending:  # nothing lands under the old names between the listing and the move
+            await self.uploader.stop(pf)
         keys, dirs = await self._walk(old)
-        local = [pf.key for pf in self.journal.under(old)]
+        local = [pf.key for pf in pending if self.journal.get(pf.key) is pf]
         for key in {*keys, *dirs, *local}:  # every new key must fit before anything moves
             self.store.check_key(new + key[len(old):])
         moved = set()
@@ -203,10 +224,10 @@ class WriteBack:
             await self.workers.meta(self.store.delete, d)
         return copied
 
-    async def _move_local(self, old: str, new: str) -> bool:
-        """Re-key a file with local bytes, with its writers and its queued writes.
-        False if `old` has none here (a stored object: only a store-side copy puts
-        its bytes under `new`)."""
+    async def _move_local(self, old: str, new: str, *, hand_over: bool = True) -> bool:
+        """Re-key a file with local bytes, with its writers and its queued writes
+        (it takes the class of its new name). False if `old` has none here (a
+        stored object: only a store-side copy puts its bytes under `new`)."""
         pf = self.journal.get(old)
         if pf is None or not pf.local:
             return False
@@ -221,8 +242,8 @@ class WriteBack:
                 await self._supersede(dst)
             await self.workers.disk(self.cache.rename, old, new)
             self.journal.rekey(pf, new)
-        if pf.sealed and not pf.sessions:
-            self.uploader.kick(pf)
+        if hand_over and pf.sealed and not pf.sessions and not self.ctx.hand_over(pf):
+            self.uploader.kick(pf)  # acknowledged under its old name's class: it lands
         return True
 
     async def _move_stored(self, old: str, new: str) -> ObjectInfo:
@@ -279,19 +300,28 @@ class WriteBack:
     # -- recovery, the barrier, pending files -------------------------------------------------
 
     async def recover(self) -> None:
-        """After a restart: every sealed write-back file uploads again; what a close
-        never finished (dirty, or sealed but waiting for the store) is quarantined."""
+        """After a restart: every sealed write-back file uploads again, every manifest
+        whose barrier was journaled publishes once that barrier landed; what a
+        close never finished (dirty, or sealed but waiting for the store) is
+        quarantined."""
         objs = await self.workers.disk(lambda: list(self.cache.iter_objects()))
+        publisher = self.ctx.publisher
+        records = await self.workers.disk(publisher.records.load)
+        manifests = []
         for obj in objs:
             mode = self.ctx.policy.settings(obj.key).write_mode
+            rec = records.get(obj.key)
             if obj.state == "sealed" and (mode == "writeback" or obj.key.endswith("/")):
                 pf = self.journal.track(obj.key, obj.size, obj.mtime)
                 pf.local, pf.sealed_at = True, time.monotonic()
                 log.info("resuming upload of %r (%d bytes) sealed before a restart", obj.key, obj.size)
                 self.uploader.kick(pf)
+            elif obj.state == "sealed" and mode == "publish" and rec is not None:
+                manifests.append((obj, records.pop(obj.key)))
             elif obj.state == "sealed":
-                # A manifest was never published: publishing it now would skip the
-                # barrier and the condition its writer was promised.
+                # Its close was waiting for the store (write-through, or a publish
+                # told to wait): publishing it now would skip the barrier and the
+                # condition its writer was promised.
                 await self.workers.disk(
                     self.quarantine.keep, obj.key, "unfinished",
                     f"its {mode} close had not returned when the daemon stopped: not uploaded")
@@ -299,6 +329,18 @@ class WriteBack:
                 await self.workers.disk(
                     self.quarantine.keep, obj.key, "never_closed",
                     "written but never closed before the daemon stopped")
+        for obj, rec in manifests:  # every upload of its barrier is tracked by now
+            pf = self.journal.track(obj.key, obj.size, obj.mtime)
+            pf.local, pf.sealed_at = True, time.monotonic()
+            pf.condition = Condition(rec.get("if_match"), bool(rec.get("if_none_match")))
+            pf.barrier = [(b, b.version) for k in rec.get("barrier", [])
+                          if (b := self.journal.get(k)) is not None]
+            pf.record = rec.get("id")
+            log.info("resuming the publish of %r after %d upload(s) of its barrier",
+                     obj.key, len(pf.barrier))
+            publisher.submit(pf)
+        for key in records:  # its manifest landed, or went, before the restart
+            await self.workers.disk(publisher.records.drop, key)
 
     async def flush(
         self, prefix: str = "", *, stall: float | None = None, progress: Progress | None = None
@@ -309,7 +351,9 @@ class WriteBack:
         return self.journal.summary(prefix)
 
     async def notes(self) -> list[Note]:
-        return await self.workers.disk(self.quarantine.notes)
+        """Files kept aside: quarantined, and manifests whose background publish lost its race."""
+        conflicts = self.ctx.publisher.conflicts
+        return await self.workers.disk(lambda: self.quarantine.notes() + conflicts.notes())
 
     async def pending(self, prefix: str = "") -> dict[str, object]:
         """What `tierfs pending list` shows: files here only, and files kept aside."""
@@ -323,6 +367,11 @@ class WriteBack:
         if note is not None:
             await self.workers.disk(self.quarantine.discard, note)
             return "discarded from quarantine"
+        conflicts = self.ctx.publisher.conflicts
+        note = await self.workers.disk(conflicts.find, key)
+        if note is not None:
+            await self.workers.disk(conflicts.discard, note)
+            return "conflict discarded (its bytes were never published)"
         pf = self.journal.get(key)
         if pf is None or not pf.local:
             raise FileNotFoundError(f"{key}: nothing pending or quarantined")

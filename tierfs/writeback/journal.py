@@ -14,7 +14,7 @@ truth (size, mtime), and shows in listings before it reaches the store.
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import trio
 
@@ -23,6 +23,13 @@ class Writer(Protocol):
     """What the journal knows of a session writing a file (session.py)."""
 
     closed: bool  # close(2) reached the daemon (FLUSH): its RELEASE follows
+
+
+class Condition(NamedTuple):
+    """A conditional PUT: If-Match an ETag, or If-None-Match: * (a new object)."""
+
+    if_match: str | None
+    if_none_match: bool
 
 
 class PendingFile:
@@ -47,6 +54,11 @@ class PendingFile:
         self.unlinked = False  # removed while open: lives on in its sessions only
         self.outcome: str | None = None  # why it left the journal (see Journal.leave)
         self.gone = trio.Event()
+        # A manifest published in the background (publish.py): the uploads it
+        # waits for, and the condition of its PUT once they landed.
+        self.barrier: list[tuple[PendingFile, int]] | None = None
+        self.condition: Condition | None = None
+        self.record: str | None = None  # the id of its journaled barrier (publish.Records)
 
     @property
     def sealed(self) -> bool:

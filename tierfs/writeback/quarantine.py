@@ -11,6 +11,11 @@ key, size, file, when, kind and reason. Kinds:
   failure, until it is retried or discarded (`tierfs pending`).
 The notes live on disk, so they are reported across restarts. All calls
 block (run them in a disk worker).
+
+Manifests whose conditional PUT lost a race are kept apart, under
+<cache>/conflicts/ (`Conflicts`): the bytes and a note. A writer that waited
+for its publish got ESTALE; one published in the background was not told,
+so its note has kind "conflict", which flush and umount report as a failure.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from tierfs.cache import Cache, Entry
 log = logging.getLogger(__name__)
 
 REFUSED = "refused"
+CONFLICT = "conflict"  # a background publish lost its race (publish.py keeps the bytes)
+FAILED_KINDS = frozenset({REFUSED, CONFLICT})  # what flush and umount report as failures
 COPY_PIECE = 1 << 20  # bytes per write when a kept file goes back into the cache
 
 
@@ -71,19 +78,7 @@ class Quarantine:
 
     def notes(self) -> list[Note]:
         """Every kept file, oldest first."""
-        out = []
-        try:
-            names = sorted(n for n in os.listdir(self.root) if n.endswith(".json"))
-        except FileNotFoundError:
-            return []
-        for name in names:
-            try:
-                raw = json.loads((self.root / name).read_text())
-                out.append(Note(raw["key"], int(raw["size"]), raw["file"], raw["when"],
-                                raw.get("kind", "never_closed"), raw["reason"]))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.warning("unreadable quarantine note %s: %s", name, exc)
-        return out
+        return _read_notes(self.root)
 
     def find(self, key: str) -> Note | None:
         """The newest note of `key`."""
@@ -91,10 +86,7 @@ class Quarantine:
         return found[-1] if found else None
 
     def discard(self, note: Note) -> None:
-        for name in (note.file, f"{note.file}.json"):
-            with contextlib.suppress(FileNotFoundError):
-                (self.root / name).unlink()
-        log.info("discarded quarantined %r (%s)", note.key, note.file)
+        _discard(self.root, note)
 
     def restore(self, note: Note) -> Entry:
         """Copy a kept file back into the cache as a sealed object (for a retry) and
@@ -117,3 +109,57 @@ class Quarantine:
             raise
         self.discard(note)
         return entry
+
+
+class Conflicts:
+    """Manifests the store refused because another writer changed them first."""
+
+    def __init__(self, root: Path, cache: Cache) -> None:
+        self.root = root
+        self.cache = cache
+
+    def keep(self, entry: Entry, reason: str, *, told: bool) -> Note:
+        """Keep `entry`'s bytes with a note and drop them from the cache. `told`:
+        its writer got the error (ESTALE); otherwise flush reports it."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        note = Note(entry.key, entry.size, f"{stamp}-{entry.path.name}", stamp,
+                    "estale" if told else CONFLICT, reason)
+        os.link(entry.path, self.root / note.file)
+        (self.root / f"{note.file}.json").write_text(json.dumps(asdict(note)))
+        self.cache.remove(entry.key)
+        return note
+
+    def notes(self) -> list[Note]:
+        """The conflicts nobody was told of, oldest first."""
+        return [n for n in _read_notes(self.root) if n.kind == CONFLICT]
+
+    def find(self, key: str) -> Note | None:
+        found = [n for n in self.notes() if n.key == key]
+        return found[-1] if found else None
+
+    def discard(self, note: Note) -> None:
+        _discard(self.root, note)
+
+
+def _read_notes(root: Path) -> list[Note]:
+    out = []
+    try:
+        names = sorted(n for n in os.listdir(root) if n.endswith(".json"))
+    except FileNotFoundError:
+        return []
+    for name in names:
+        try:
+            raw = json.loads((root / name).read_text())
+            out.append(Note(raw["key"], int(raw["size"]), raw["file"], raw.get("when", ""),
+                            raw.get("kind", "never_closed"), raw["reason"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("unreadable note %s: %s", root / name, exc)
+    return out
+
+
+def _discard(root: Path, note: Note) -> None:
+    for name in (note.file, f"{note.file}.json"):
+        with contextlib.suppress(FileNotFoundError):
+            (root / name).unlink()
+    log.info("discarded kept %r (%s)", note.key, root / note.file)

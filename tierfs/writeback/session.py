@@ -5,8 +5,9 @@ at once and applied in order behind it: queue.py). close(2) reaches the
 daemon as FLUSH, synchronously, and seals the file as its class says:
 write-back: fsynced and journaled, the upload follows; write-through: also
 uploaded, close returns once the store has it or fails (and then nothing of
-it is uploaded later); publish (manifests): the barrier, then a conditional
-PUT. fsync does the same. RELEASE arrives after close(2) returned; once the
+it is uploaded later); publish (manifests): its barrier journaled too, the
+conditional PUT follows (or, with publish = "wait", close waits for the
+barrier and the PUT). fsync does the same. RELEASE arrives after close(2) returned; once the
 last writer is gone, the file is the uploader's (or dropped, if no close of
 it succeeded).
 
@@ -115,12 +116,23 @@ class WriteContext:
             return
         if not pf.local:  # never written here, or in the store already
             self.journal.leave(pf, "landed")
-        elif failed or pf.through_failed or not pf.sealed:
+        elif failed or pf.through_failed or not pf.sealed or not self.hand_over(pf):
+            # never acknowledged, or sealed by a close whose upload or publish failed
             await self.drop(pf, "dropped")
-        elif self.policy.settings(pf.key).write_mode == "writeback" or pf.key.endswith("/"):
-            self.uploader.kick(pf)
-        else:  # sealed by a close whose upload or publish did not succeed
-            await self.drop(pf, "dropped")
+
+    def hand_over(self, pf: PendingFile) -> bool:
+        """A sealed file with no writer left goes up as the class of its name says:
+        write-back after the class's quiet delay, a journaled manifest once its
+        barrier landed. False if its class uploads only in close (its close did)."""
+        settings = self.policy.settings(pf.key)
+        if settings.write_mode == "writeback" or pf.key.endswith("/"):
+            pf.barrier = pf.condition = None  # (renamed away from a manifest name)
+            self.uploader.kick(pf, settings.upload_delay)
+            return True
+        if settings.write_mode == "publish" and pf.barrier is not None:
+            self.publisher.submit(pf)
+            return True
+        return False
 
     async def drop(self, pf: PendingFile, outcome: str) -> None:
         """Forget a local file's bytes (the store's version, if any, shows again)."""
@@ -244,13 +256,17 @@ class WriteSession:
             if pf.unlinked:  # lives on in its descriptors only: nothing to keep
                 self.dirty = False
                 return
-            mode = self.settings.write_mode
+            settings = self.settings
+            mode = settings.write_mode
             await self._wb.seal_local(pf, self.entry)
             self.dirty = False
             if mode == "writeback":
                 return  # durable here; the upload follows the last release
             try:
-                if mode == "publish":
+                if mode == "publish" and settings.publish == "background":
+                    # durable here with its barrier; the publish follows the last release
+                    await self._wb.publisher.journal_barrier(pf, if_match=self.base_etag)
+                elif mode == "publish":
                     info = await self._wb.publisher.publish(pf, self.entry, if_match=self.base_etag)
                     self.base_etag = info.etag
                 else:

@@ -8,8 +8,9 @@ the whole-object digest (xxh3 over the per-chunk checksums, in user metadata)
 before the cache file is marked clean; it then stays cached as the object's
 tier-1 copy.
 
-Write-back files are uploaded in the background by a few worker tasks, with
-backoff between attempts that waits in trio, and wakes early once the store
+Write-back files are uploaded in the background by a few worker tasks, each
+after its class's quiet delay (a temporary name's grace period; `hurry` ends
+it for flush and umount), with backoff between attempts that waits in trio, and wakes early once the store
 answers again. A permanent refusal (PERMANENT_KINDS: AccessDenied,
 KeyTooLong, ...) is not retried: the file is quarantined with a note. A writer
 that is about to change a file stops its upload first (`stop`).
@@ -19,12 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import heapq
+import itertools
 import logging
+import math
 import random
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import NamedTuple
 
 import trio
 
@@ -34,18 +37,13 @@ from tierfs.config import UPLOAD_RETRY_CAP, UPLOAD_VERIFY_ATTEMPTS
 from tierfs.health import StoreHealth
 from tierfs.store.base import PERMANENT_KINDS, ObjectInfo, Store, StoreError, part_size_for
 from tierfs.workers import Workers
-from tierfs.writeback.journal import Journal, PendingFile
+from tierfs.writeback.journal import Condition, Journal, PendingFile
 from tierfs.writeback.quarantine import REFUSED, Quarantine
 
 log = logging.getLogger(__name__)
 
 DIGEST_META = "tierfs-xxh3tree"  # xxh3-128 over per-1 MiB-chunk xxh3-64 digests
 MTIME_META = "tierfs-mtime"
-
-
-class _Condition(NamedTuple):
-    if_match: str | None
-    if_none_match: bool
 
 
 class NotVerified(Exception):
@@ -68,6 +66,7 @@ class Uploader:
         max_files: int,
         on_landed: Callable[[str, ObjectInfo], None],
         on_dropped: Callable[[str], None],
+        on_conflict: Callable[[PendingFile, Entry, StoreError], Awaitable[None]],
         observe: Callable[[str, int], None],
     ) -> None:
         self.store = store
@@ -82,23 +81,57 @@ class Uploader:
         self.max_files = max_files
         self.on_landed = on_landed  # the namespace takes the store's attributes
         self.on_dropped = on_dropped  # the namespace forgets a local file
+        self.on_conflict = on_conflict  # a manifest's conditional PUT lost its race
         self.observe = observe
         # Files due for a background upload, oldest first; a file is in it once.
         self._ready: OrderedDict[int, PendingFile] = OrderedDict()
         self._idle = trio.lowlevel.ParkingLot()  # workers waiting for a file
+        # Files in their quiet delay: id -> (due, file); the heap orders them
+        # (entries whose due no longer matches are stale and skipped).
+        self._later: dict[int, tuple[float, PendingFile]] = {}
+        self._heap: list[tuple[float, int, int]] = []
+        self._seq = itertools.count()
+        self._timer = trio.lowlevel.ParkingLot()
 
     # -- the background uploader ------------------------------------------------------
 
-    def kick(self, pf: PendingFile) -> None:
-        """A sealed write-back file with no writer open: upload it (again)."""
+    def kick(self, pf: PendingFile, delay: float = 0.0) -> None:
+        """A sealed write-back file with no writer open: upload it (again), once it
+        stayed quiet `delay` seconds."""
+        if delay > 0:
+            self._ready.pop(id(pf), None)
+            due = trio.current_time() + delay
+            self._later[id(pf)] = (due, pf)
+            heapq.heappush(self._heap, (due, next(self._seq), id(pf)))
+            self._timer.unpark()
+            return
+        self._later.pop(id(pf), None)
         self._ready[id(pf)] = pf
         self._ready.move_to_end(id(pf))
         self._idle.unpark()
 
+    def hurry(self, pf: PendingFile) -> None:
+        """End `pf`'s quiet delay now (flush and umount do not wait for it)."""
+        if id(pf) in self._later:
+            self.kick(pf)
+
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._release_quiet)
             for _ in range(self.max_files):
                 nursery.start_soon(self._worker)
+
+    async def _release_quiet(self) -> None:
+        """Hand files whose quiet delay ended to the workers."""
+        while True:
+            now = trio.current_time()
+            while self._heap and self._heap[0][0] <= now:
+                due, _, ident = heapq.heappop(self._heap)
+                held = self._later.get(ident)
+                if held is not None and held[0] == due:
+                    self.kick(held[1])
+            with trio.move_on_at(self._heap[0][0] if self._heap else math.inf):
+                await self._timer.park()
 
     async def _worker(self) -> None:
         while True:
@@ -115,7 +148,8 @@ class Uploader:
 
     def _due(self, pf: PendingFile) -> bool:
         return (self.journal.get(pf.key) is pf and pf.sealed and not pf.sessions
-                and pf.upload is None and not pf.unlinked)
+                and pf.upload is None and not pf.unlinked
+                and pf.barrier is None)  # a manifest goes up once its barrier landed
 
     async def _until_landed(self, pf: PendingFile) -> None:
         attempt = unverified = 0
@@ -127,7 +161,18 @@ class Uploader:
                     if entry is None:  # gone from the cache meanwhile (unlinked, renamed)
                         return
                     try:
-                        await self.land(pf, entry)
+                        cond = pf.condition
+                        try:
+                            info = await self.land(
+                                pf, entry, if_match=cond.if_match if cond else None,
+                                if_none_match=cond.if_none_match if cond else False)
+                        except StoreError as exc:
+                            if cond is None or exc.kind != "precondition":
+                                raise
+                            await self.on_conflict(pf, entry, exc)
+                            return
+                        if cond is not None and (cond.if_match or cond.if_none_match):
+                            pf.condition = Condition(info.etag, False)  # the next publish's
                     finally:
                         with trio.CancelScope(shield=True):
                             await self.workers.disk(self.cache.release, entry)
@@ -176,6 +221,7 @@ class Uploader:
         """Stop a background upload of `pf` (bytes are about to change) and wait
         until it let go of the file."""
         self._ready.pop(id(pf), None)
+        self._later.pop(id(pf), None)
         if pf.upload is not None:
             pf.upload.cancel()
             await pf.upload_ended.wait()
@@ -216,7 +262,7 @@ class Uploader:
             DIGEST_META: digest,
             MTIME_META: f"{pf.mtime if pf is not None else mtime or 0.0:.9f}",
         }
-        cond = _Condition(if_match, if_none_match)
+        cond = Condition(if_match, if_none_match)
         if pf is not None:
             pf.uploaded = 0
         if size <= self.part_size:
@@ -242,7 +288,7 @@ class Uploader:
 
     async def _put_whole(
         self, pf: PendingFile | None, entry: Entry, key: str, size: int,
-        meta: dict[str, str], cond: _Condition,
+        meta: dict[str, str], cond: Condition,
     ) -> None:
         if not size:
             await self.workers.upload(partial(
@@ -261,7 +307,7 @@ class Uploader:
 
     async def _put_parts(
         self, pf: PendingFile | None, entry: Entry, key: str, size: int,
-        meta: dict[str, str], cond: _Condition,
+        meta: dict[str, str], cond: Condition,
     ) -> None:
         part = part_size_for(size, self.part_size)
         count = -(-size // part)
