@@ -124,8 +124,8 @@ def print_status(st: dict[str, Any]) -> None:
     classes = st.get("classes") or {}
     if classes:
         ct = Table(title="classes", title_justify="left")
-        for col in ("class", "attr", "list", "reval.", "pages", "write", "ahead",
-                    "direct"):
+        for col in ("class", "attr", "list", "reval.", "pages", "write", "after close",
+                    "ahead", "direct"):
             ct.add_column(col, no_wrap=True)
 
         def secs(v: Any) -> str:
@@ -137,13 +137,24 @@ def print_status(st: dict[str, Any]) -> None:
                        secs(cs["attr_ttl"]), secs(cs["list_ttl"]),
                        "yes" if cs["revalidate_on_open"] else "no",
                        "keep" if cs["keep_cache"] else "drop",
-                       cs["write_mode"].replace("write", ""), human(cs["readahead_max"]),
+                       cs["write_mode"].replace("write", ""), _after_close(cs),
+                       human(cs["readahead_max"]),
                        "yes" if cs.get("direct_writes") else "no")
         console.print(ct)
         rules = st.get("rules") or []
         if rules:
             console.print("rules (first match wins): " + ", ".join(
                 f"{r['glob']} -> {r['class']}" for r in rules), highlight=False, markup=False)
+
+
+def _after_close(cs: dict[str, Any]) -> str:
+    """What follows a close, per class: when the upload starts, or how a manifest publishes."""
+    if cs["write_mode"] == "writeback":
+        delay = float(cs.get("upload_delay", 0.0))
+        return f"upload in {delay:g}s" if delay else "upload now"
+    if cs["write_mode"] == "publish":
+        return "publish behind" if cs.get("publish") == "background" else "waits for publish"
+    return "uploaded in close"
 
 
 # -- warmup ---------------------------------------------------------------------------

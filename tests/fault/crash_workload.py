@@ -1,7 +1,7 @@
 """A mixed read/write workload for kill -9 trials: `python -m tests.fault.crash_workload MNT TAG LOG SEED`.
 
 Writes checkpoint files (write-back `*.pt`, torch.save-style: tmp file then
-os.replace) and small write-through `*.txt` files, re-reads files it closed
+os.replace) and small `*.txt` files (default class), re-reads files it closed
 earlier and checks them. LOG gets one line per event, fsynced before the
 next step:
 

@@ -497,6 +497,10 @@ class Cache:
                 return True
             return self._drop(kh) is not None
 
+    def sync(self) -> None:
+        """Make the index's committed changes durable (a rename that is a commit point)."""
+        self.index.sync()
+
     def rename(self, old_key: str, new_key: str) -> bool:
         """Move an object's record to another key (a pending file's rename is just
         this); whatever `new_key` held is removed. False if `old_key` is unknown."""

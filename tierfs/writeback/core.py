@@ -168,6 +168,7 @@ class WriteBack:
             dst = self.journal.get(new)
             inherited = dst.condition if dst is not None and dst.local else None
             await self._move_local(old, new, hand_over=False)
+            await self.workers.disk(self.cache.sync)  # the commit point survives a power loss
             await self.workers.meta(self.store.delete, old)  # an older stored version of it
             if inherited is not None:  # replaces one never published: the same store version
                 pf.condition = inherited
