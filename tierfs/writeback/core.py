@@ -8,6 +8,7 @@ import os
 import time
 from dataclasses import asdict
 
+from tierfs.config import FLUSH_STALL
 from tierfs.store.base import UNREACHABLE_KINDS, ObjectInfo, Store, StoreError
 from tierfs.writeback.barrier import Barrier, FlushOutcome, Progress
 from tierfs.writeback.journal import Condition, PendingFile
@@ -202,6 +203,14 @@ class WriteBack:
     async def rename_tree(self, old: str, new: str) -> list[ObjectInfo]:
         """Directory rename (`old`, `new` are 'a/b/' prefixes): every object below is
         moved one by one (S3 has no atomic rename); markers keep empty dirs."""
+        # What is pending below lands first (the barrier starts it at once), then
+        # moves as stored objects. Re-keying pending files while their uploads
+        # ran left the writer's mount reading some of them empty now and then
+        # (tests/ml/test_savers.py::test_trainer_style_checkpoint_directory_rename,
+        # about 2 runs in 5): until that race is found, a directory rename pays
+        # the uploads and server-side copies, as it did when a manifest's close
+        # waited for them.
+        await self.barrier.flush(old, stall=FLUSH_STALL)
         pending = self.journal.under(old)
         for pf in pending:  # nothing lands under the old names between the listing and the move
             await self.uploader.stop(pf)
