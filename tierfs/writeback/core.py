@@ -168,18 +168,19 @@ class WriteBack:
         if self.ctx.policy.settings(new).publish == "background" and pf is not None and pf.local:
             dst = self.journal.get(new)
             inherited = dst.condition if dst is not None and dst.local else None
-            await self._move_local(old, new, hand_over=False)
-            await self.workers.disk(self.cache.sync)  # the commit point survives a power loss
-            await self.workers.meta(self.store.delete, old)  # an older stored version of it
-            if inherited is not None:  # replaces one never published: the same store version
-                pf.condition = inherited
-            else:
-                self.ctx.publisher.retarget(pf, if_match)
-            if pf.sealed:  # else its close journals the barrier
-                await self.ctx.publisher.journal_barrier(pf, if_match=if_match)
-                if not pf.sessions:
-                    self.ctx.hand_over(pf)
-            return []
+            if await self._move_local(old, new, hand_over=False):
+                await self.workers.disk(self.cache.sync)  # the commit point survives a power loss
+                await self.workers.meta(self.store.delete, old)  # an older stored version of it
+                if inherited is not None:  # replaces one never published: the same store version
+                    pf.condition = inherited
+                else:
+                    self.ctx.publisher.retarget(pf, if_match)
+                if pf.sealed:  # else its close journals the barrier
+                    await self.ctx.publisher.journal_barrier(pf, if_match=if_match)
+                    if not pf.sessions:
+                        self.ctx.hand_over(pf)
+                return []
+            # it landed meanwhile: a stored object, published below
         src = await self.workers.disk(self.cache.open_existing, old)
         info = None
         try:
@@ -243,6 +244,11 @@ class WriteBack:
             return False
         async with pf.lock:
             await self.uploader.stop(pf)
+            if self.journal.get(old) is not pf or not pf.local:
+                # Its upload landed (or it went) while this waited: it is a stored
+                # object now. Re-keying it would put back a record nothing uploads,
+                # and the caller's delete of `old` would take the only copy.
+                return False
             held = await self.workers.disk(self.cache.held, old)
             if held is not None:
                 await self.ctx.queued.drain_entry(held)  # files move with the bytes written
