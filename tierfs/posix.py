@@ -28,6 +28,7 @@ the mtime when `mtime` is absent.
 from __future__ import annotations
 
 import stat
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -45,6 +46,9 @@ SYMLINK_MAX = 4095
 OBJECT_TYPES = frozenset({stat.S_IFREG, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK})
 _NS = 1_000_000_000
 _MAX_ID = 0xFFFF_FFFE  # (uid_t)-1 means "no change" to chown(2): never an owner
+# A record kept in the tier-1 index (cache `attrs`): which version of the object
+# the attributes belong to (ETag, Last-Modified), the attributes, a symlink's target.
+_RECORD = struct.Struct("<qIIIqqqHH")
 
 
 @dataclass(frozen=True)
@@ -220,3 +224,34 @@ def _parse_rfc3339(text: str) -> int | None:
         return None
     nsec = int(frac[:9].ljust(9, "0")) if frac else 0
     return int(when.timestamp()) * _NS + nsec
+
+
+@dataclass(frozen=True)
+class Known:
+    """Attributes known for one version of an object (or of a directory, whose
+    version is empty): what the tier-1 index keeps across remounts."""
+
+    etag: str
+    version_ns: int  # the object's Last-Modified, ns (0: any)
+    attrs: Attrs
+    link: str | None = None  # a symlink's target, once read
+
+    def pack(self) -> bytes:
+        e = self.etag.encode("utf-8", "surrogateescape")
+        k = (self.link or "").encode("utf-8", "surrogateescape")
+        a = self.attrs
+        return _RECORD.pack(self.version_ns, a.mode, a.uid, a.gid, a.atime_ns, a.mtime_ns,
+                            a.ctime_ns, len(e), len(k)) + e + k
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> Known | None:
+        """None for a record this version cannot read."""
+        if len(raw) < _RECORD.size:
+            return None
+        version, mode, uid, gid, at, mt, ct, el, kl = _RECORD.unpack_from(raw)
+        o = _RECORD.size
+        if len(raw) != o + el + kl:
+            return None
+        etag = raw[o : o + el].decode("utf-8", "surrogateescape")
+        link = raw[o + el :].decode("utf-8", "surrogateescape") or None
+        return cls(etag, version, Attrs(mode, uid, gid, at, mt, ct), link)

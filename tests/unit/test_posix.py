@@ -9,6 +9,7 @@ import pytest
 from tierfs.posix import (
     Attrs,
     Defaults,
+    Known,
     default_attrs,
     format_time,
     from_metadata,
@@ -104,3 +105,11 @@ def test_changes_move_ctime() -> None:
     assert (c.uid, c.gid, c.ctime_ns) == (1000, 7, LM + 2)
     d = c.with_times(None, 5, LM + 3)
     assert (d.atime_ns, d.mtime_ns, d.ctime_ns) == (LM, 5, LM + 3)
+
+
+def test_known_records_round_trip() -> None:
+    a = Attrs(stat.S_IFLNK | 0o777, 1, 2, -3, 4, 5)
+    for k in (Known("etag-1", 1_700_000_000 * 10**9, a, "../../blobs/ab"), Known("", 0, a)):
+        assert Known.unpack(k.pack()) == k
+    assert Known.unpack(b"short") is None
+    assert Known.unpack(Known("e", 0, a).pack() + b"x") is None
