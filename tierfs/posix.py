@@ -93,6 +93,14 @@ class Attrs:
             ctime_ns=now_ns,
         )
 
+    def written_at(self, mtime: float) -> Attrs:
+        """These attributes after a write at `mtime` (seconds), if it came after them
+        (a file's journal keeps the time of its last write as a float)."""
+        if mtime == self.mtime_ns / _NS:
+            return self
+        ns = int(mtime * _NS)
+        return replace(self, mtime_ns=ns, ctime_ns=max(self.ctime_ns, ns))
+
     def with_times(self, atime_ns: int | None, mtime_ns: int | None, now_ns: int) -> Attrs:
         return replace(
             self,
@@ -123,6 +131,15 @@ def to_metadata(attrs: Attrs) -> dict[str, str]:
         MTIME: format_time(attrs.mtime_ns),
         CTIME: format_time(attrs.ctime_ns),
     }
+
+
+def upload_metadata(attrs: Attrs | None, mtime: float) -> dict[str, str]:
+    """What an upload of a file last written at `mtime` stores: its attributes,
+    or only that mtime while they are unknown (a file this mount never saw the
+    attributes of keeps the defaults' meaning: unknown)."""
+    if attrs is None:
+        return {MTIME: format_time(int(mtime * _NS))}
+    return to_metadata(attrs.written_at(mtime))
 
 
 def has_attrs(metadata: Mapping[str, str]) -> bool:
