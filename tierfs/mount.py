@@ -112,6 +112,7 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
         ns = Namespace(store, cache, policy, workers, health=health, overlay=journal,
                        on_changed=kernel.drop_pages, on_gone=kernel.drop_name,
                        defaults=defaults)
+        store.on_metadata = _to_loop(ns.learn)
         reader = Reader(
             store, workers, nursery, budget=budget, parts=parts, serve=serve_buffers,
             part_size=cfg.part_size, readahead_min=cfg.readahead_min,
@@ -204,6 +205,18 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
                 with contextlib.suppress(OSError):
                     entry.unlink()
             nursery.cancel_scope.cancel()
+
+
+def _to_loop(learn: Callable[[str, str, dict[str, str]], None]
+             ) -> Callable[[str, str, dict[str, str]], None]:
+    """`learn`, callable from worker threads: it runs soon in this trio loop."""
+    token = trio.lowlevel.current_trio_token()
+
+    def call(key: str, etag: str, metadata: dict[str, str]) -> None:
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(learn, key, etag, metadata)
+
+    return call
 
 
 def _apply_write(workers: Workers) -> Callable[[Entry, int, bytes], Awaitable[None]]:

@@ -266,6 +266,20 @@ class Namespace:
         if node.attrs is not None:
             self._remember[node.key] = Known(node.etag, 0, node.attrs, node.link).pack()
 
+    def learn(self, key: str, etag: str, metadata: dict[str, str]) -> None:
+        """A GET's response showed the attributes of `key` at `etag`: take them if they
+        were unknown (the kernel is told to ask again: one invalidation per version)."""
+        inode = self._by_path.get(key)
+        node = None if inode is None else self._nodes[inode]
+        if node is None or node.is_dir or node.attrs is not None or node.etag != etag:
+            return
+        if not has_attrs(metadata):
+            return
+        node.attrs = from_metadata(metadata, is_dir=False, defaults=self.defaults,
+                                   store_mtime_ns=int(node.mtime * 1e9))
+        self._note(node)
+        self.on_changed(node.inode)
+
     async def remember(self) -> None:
         """Write the attribute records noted since the last call."""
         if self._remember:

@@ -39,10 +39,11 @@ def mount_options(mountpoint: Path) -> set[str]:
 
 
 def test_private_file_is_private_and_stays_so_after_a_remount(
-    mount_factory: MountFactory, bucket: str, tmp_path: Path
+    open_dir: Path, mount_factory: MountFactory, bucket: str, tmp_path: Path
 ) -> None:
     cache = tmp_path / "cache"
-    m = mount_factory(f"s3://{bucket}", "--allow-other", cache_dir=cache)
+    m = mount_factory(f"s3://{bucket}", "--allow-other", cache_dir=cache,
+                      mountpoint=open_dir / "mnt")
     secret = m.mountpoint / "secret.txt"
     fd = os.open(secret, os.O_CREAT | os.O_WRONLY, 0o600)
     os.write(fd, b"root only")
@@ -57,8 +58,9 @@ def test_private_file_is_private_and_stays_so_after_a_remount(
     assert secret.read_bytes() == b"root only"
 
 
-def test_private_directory_cannot_be_entered(mount_factory: MountFactory, bucket: str) -> None:
-    m = mount_factory(f"s3://{bucket}", "--allow-other")
+def test_private_directory_cannot_be_entered(
+    open_dir: Path, mount_factory: MountFactory, bucket: str) -> None:
+    m = mount_factory(f"s3://{bucket}", "--allow-other", mountpoint=open_dir / "mnt")
     priv = m.mountpoint / "priv"
     priv.mkdir(mode=0o700)
     (priv / "f.txt").write_text("x")
@@ -69,9 +71,9 @@ def test_private_directory_cannot_be_entered(mount_factory: MountFactory, bucket
 
 
 def test_sticky_directory_protects_other_users_files(
-    mount_factory: MountFactory, bucket: str
+    open_dir: Path, mount_factory: MountFactory, bucket: str
 ) -> None:
-    m = mount_factory(f"s3://{bucket}", "--allow-other")
+    m = mount_factory(f"s3://{bucket}", "--allow-other", mountpoint=open_dir / "mnt")
     shared = m.mountpoint / "shared"
     shared.mkdir()
     os.chmod(shared, 0o1777)
@@ -88,8 +90,9 @@ def test_sticky_directory_protects_other_users_files(
     assert os.listdir(shared) == []
 
 
-def test_chmod_and_chown_by_others_are_refused(mount_factory: MountFactory, bucket: str) -> None:
-    m = mount_factory(f"s3://{bucket}", "--allow-other")
+def test_chmod_and_chown_by_others_are_refused(
+    open_dir: Path, mount_factory: MountFactory, bucket: str) -> None:
+    m = mount_factory(f"s3://{bucket}", "--allow-other", mountpoint=open_dir / "mnt")
     f = m.mountpoint / "root.txt"
     f.write_text("r")
     assert refused(as_user(65534, "chmod", "777", str(f)), "Operation not permitted")
@@ -108,14 +111,14 @@ def test_chmod_and_chown_by_others_are_refused(mount_factory: MountFactory, buck
 
 
 def test_always_nosuid_nodev_and_a_setuid_root_object_runs_as_its_caller(
-    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
+    open_dir: Path, mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
 ) -> None:
     # An object written by anyone with bucket access claiming setuid root.
     id_bin = Path(shutil.which("id") or "/usr/bin/id").read_bytes()
     s3_server.client().put_object(Bucket=bucket, Key="evil-id", Body=id_bin,
                                   Metadata={"mode": str(stat.S_IFREG | 0o4755), "uid": "0",
                                             "gid": "0"})
-    m = mount_factory(f"s3://{bucket}", "--allow-other")
+    m = mount_factory(f"s3://{bucket}", "--allow-other", mountpoint=open_dir / "mnt")
     assert {"nosuid", "nodev", "allow_other", "default_permissions"} <= mount_options(m.mountpoint)
     mine = m.mountpoint / "my-id"
     mine.write_bytes(id_bin)
@@ -135,13 +138,13 @@ def test_always_nosuid_nodev_and_a_setuid_root_object_runs_as_its_caller(
 
 
 def test_objects_without_attributes_take_the_mount_defaults(
-    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+    open_dir: Path, mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
 ) -> None:
     c = s3_server.client()
     c.put_object(Bucket=bucket, Key="plain/data.bin", Body=b"d" * 10_000)
     c.put_object(Bucket=bucket, Key="plain/sub/x.bin", Body=b"x" * 10_000)
     m = mount_factory(f"s3://{bucket}", "--allow-other", "--uid", "1234", "--gid", "5678",
-                      "--file-mode", "0640", "--dir-mode", "0750")
+                      "--file-mode", "0640", "--dir-mode", "0750", mountpoint=open_dir / "mnt")
     f, d = m.mountpoint / "plain/data.bin", m.mountpoint / "plain/sub"
     assert (f.stat().st_uid, f.stat().st_gid, stat.S_IMODE(f.stat().st_mode)) == (1234, 5678, 0o640)
     assert (d.stat().st_uid, d.stat().st_gid, stat.S_IMODE(d.stat().st_mode)) == (1234, 5678, 0o750)

@@ -7,14 +7,11 @@ import errno
 import hashlib
 import os
 import re
-import shutil
 import socket
 import stat
 import subprocess
-import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -101,17 +98,6 @@ def test_cache_modes_socket_and_hashed_names(
     for key in [*ODD_KEYS, "ck/model.pt"]:
         seg = key.rsplit("/", 1)[1]
         assert not [n for n in everything if seg in n], seg
-
-
-@pytest.fixture
-def open_dir() -> Iterator[Path]:
-    """A directory another user can reach (pytest's tmp dirs are 0700). Requested
-    before mount_factory, so it is removed after every mount in it is gone."""
-    base = Path(tempfile.mkdtemp(prefix="tierfs-sec-", dir="/tmp"))
-    base.chmod(0o755)
-    yield base
-    if not os.path.ismount(base / "mnt"):
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_mount_options_allow_other_off_default_permissions_on(

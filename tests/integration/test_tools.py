@@ -165,8 +165,8 @@ def test_git_init_add_commit_status_clean(
     assert sh("git", "log", "--format=%s", cwd=repo) == "second\nfirst\n"
 
 
-def test_chmod_x_and_run(mount_factory: MountFactory, bucket: str, tmp_path: Path) -> None:
-    m = mount_factory(f"s3://{bucket}", "--allow-other")
+def test_chmod_x_and_run(open_dir: Path, mount_factory: MountFactory, bucket: str) -> None:
+    m = mount_factory(f"s3://{bucket}", "--allow-other", mountpoint=open_dir / "mnt")
     script = m.mountpoint / "run.sh"
     script.write_text("#!/bin/sh\necho \"ran as $(id -u)\"\n")
     res = subprocess.run([str(script)], capture_output=True, text=True, timeout=30)

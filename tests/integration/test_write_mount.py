@@ -5,8 +5,8 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import stat
 import pickle
+import stat
 import subprocess
 import time
 from pathlib import Path

@@ -87,6 +87,8 @@ class Store(Protocol):
     url: str  # display form, never with secrets: s3://bucket/prefix or file:///path
     identity: str  # stable id of (endpoint, bucket, prefix) for cache naming
     supports_conditional_put: bool
+    # (key, ETag, user metadata) of a GET's response, where the adapter sees it.
+    on_metadata: Callable[[str, str, dict[str, str]], None] | None
 
     def check(self) -> None:
         """Verify the source exists and the credentials work; raise StoreError with a one-line reason."""

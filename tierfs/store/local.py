@@ -116,6 +116,8 @@ class LocalStore:
     """`Store` over a directory tree."""
 
     supports_conditional_put = True
+    # The S3 adapter's GET-response hook; xattrs are not read per GET here.
+    on_metadata: Callable[[str, str, dict[str, str]], None] | None = None
 
     def __init__(
         self, root: str, *, observer: RequestObserver | None = None,

@@ -187,6 +187,10 @@ class S3Store:
     # Server-side copy switches to UploadPartCopy above this size (S3's CopyObject limit).
     multipart_copy_threshold: int = 5 << 30
     copy_part_size: int = 512 << 20
+    # Told (key, ETag, user metadata) of each GET's first response: the read path's
+    # GETs teach the namespace attributes a listing does not carry. Called in the
+    # worker thread making the request: must be cheap and thread-safe.
+    on_metadata: Callable[[str, str, dict[str, str]], None] | None = None
 
     def __init__(
         self,
@@ -550,6 +554,8 @@ class S3Store:
                     raise _ShortBody(f"{size} bytes for a {expect}-byte range")
                 if pinned is None:
                     pinned = _strip_etag(resp["ETag"])
+                if not done and self.on_metadata is not None and resp.get("Metadata"):
+                    self.on_metadata(key, _strip_etag(resp["ETag"]), resp["Metadata"])
                 if target is None:
                     target = alloc(done + size)
                 view = target[done : done + size]
