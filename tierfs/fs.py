@@ -211,7 +211,7 @@ class TierFS(pyfuse3.Operations):
         h: ReadHandle | WriteSession
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC):
             h = await self.wb.open(node.path, node.etag, node.size, node.mtime, flags=flags,
-                                   inode=node.inode)
+                                   inode=node.inode, attrs=node.attrs)
         else:
             h = await self.reads.open(node.path, node.etag, node.size, node.mtime, node.settings)
         self.metrics.meta_op("open")

@@ -114,6 +114,8 @@ class TreeChanges:
             new = new.with_times(change.atime_ns, change.mtime_ns, now)
         if change.ctime_ns is not None:
             new = replace(new, ctime_ns=change.ctime_ns)
+        if change == AttrChange():  # chown(-1, -1): nothing to change but the ctime
+            new = replace(old, ctime_ns=now)
         if new == old:
             return
         info = await self.wb.set_attrs(node.key, node.etag, new)
@@ -190,7 +192,7 @@ class TreeChanges:
         if node.is_dir:
             raise OSError(errno.EISDIR, "is a directory")
         await self.wb.truncate(node.path, node.etag, node.size, node.mtime, to=size,
-                               inode=node.inode)
+                               inode=node.inode, attrs=node.attrs)
 
     async def _ensure_empty(self, node: Node) -> None:
         self.ns.expire_listing(node)  # emptiness is the store's word, not a stale listing

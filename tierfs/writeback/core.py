@@ -35,12 +35,16 @@ class WriteBack:
     # -- sessions -----------------------------------------------------------------------
 
     async def open(
-        self, key: str, etag: str, size: int, mtime: float, *, flags: int, inode: int
+        self, key: str, etag: str, size: int, mtime: float, *, flags: int, inode: int,
+        attrs: Attrs | None = None,
     ) -> WriteSession:
-        """A writable open of an existing file (O_TRUNC truncates it)."""
+        """A writable open of an existing file (O_TRUNC truncates it); `attrs`, its
+        POSIX attributes if known, go with its next upload."""
         settings = self.ctx.policy.settings(key)
         entry = await self.ctx.open_entry(key, etag, size, mtime)
         pf = self.journal.track(key, entry.size, entry.mtime)
+        if pf.attrs is None:
+            pf.attrs = attrs
         session = WriteSession(
             self.ctx, pf, entry, inode=inode, keep_cache=settings.keep_cache,
             direct=settings.direct_writes and flags & os.O_ACCMODE == os.O_WRONLY,
@@ -82,9 +86,10 @@ class WriteBack:
         return session
 
     async def truncate(self, key: str, etag: str, size: int, mtime: float, *, to: int,
-                       inode: int) -> None:
+                       inode: int, attrs: Attrs | None = None) -> None:
         """truncate(2) by path: an open, a truncate and a close in one."""
-        session = await self.open(key, etag, size, mtime, flags=os.O_WRONLY, inode=inode)
+        session = await self.open(key, etag, size, mtime, flags=os.O_WRONLY, inode=inode,
+                                  attrs=attrs)
         try:
             await session.truncate(to)
             await session.flush()
