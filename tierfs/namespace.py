@@ -241,6 +241,10 @@ class Namespace:
         kids = node.children or {}
         return 2 + sum(1 for i in kids.values() if (n := self._nodes.get(i)) is not None and n.is_dir)
 
+    def linked(self, node: Node) -> bool:
+        """Whether `node` still has its name (not unlinked, renamed over or replaced)."""
+        return self._by_path.get(node.path) == node.inode
+
     def set_attrs(self, node: Node, attrs: Attrs, *, etag: str | None = None,
                   link: str | None = None) -> None:
         """Attributes this mount gave `node` (and the object's new ETag, if it has one)."""
@@ -696,8 +700,11 @@ class Namespace:
             node.size, node.mtime, node.etag = info.size, info.mtime, info.etag
             node.attr_expire = time.monotonic() + node.settings.attr_ttl
             if has_attrs(info.metadata):
-                node.attrs = from_metadata(info.metadata, is_dir=False, defaults=self.defaults,
-                                           store_mtime_ns=int(info.mtime * 1e9))
+                stored = from_metadata(info.metadata, is_dir=False, defaults=self.defaults,
+                                       store_mtime_ns=int(info.mtime * 1e9))
+                if node.attrs is not None:  # a rename's copy: its ctime is this mount's
+                    stored = replace(stored, ctime_ns=max(stored.ctime_ns, node.attrs.ctime_ns))
+                node.attrs = stored
             self._note(node)
             return
         parent_path, _, name = key.rpartition("/")

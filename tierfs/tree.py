@@ -118,6 +118,11 @@ class TreeChanges:
             new = replace(old, ctime_ns=now)
         if new == old:
             return
+        if not self.ns.linked(node):
+            # Unlinked or replaced (fchmod of an open file, or the kernel's late
+            # setattr of the times of an inode renamed over): no object is its.
+            node.attrs = new
+            return
         info = await self.wb.set_attrs(node.key, node.etag, new)
         if not node.is_dir and info is not None and info.etag != node.etag:
             self.ns.set_attrs(node, new, etag=info.etag)

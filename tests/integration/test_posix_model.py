@@ -271,7 +271,7 @@ def test_random_metadata_calls_match_local_oracle(
             m = mount_factory(source, "--allow-other", cache_dir=cache, mountpoint=m.mountpoint)
             assert compare_trees(m.mountpoint, oracle) == [], \
                 f"after op {i} and a remount"
-    assert mismatches == []
+    assert mismatches == [], "\n".join(mismatches)
     assert compare_trees(m.mountpoint, oracle) == []
     flush(m)
     other = mount_factory(source, "--allow-other")  # another node: an empty cache
