@@ -200,24 +200,43 @@ class Namespace:
         the kernel's write-back cache on, the kernel trusts its own cached size of
         an inode over ours, so the old inode could never show the new size. Handles
         open on the old inode keep reading the old version; its pages are dropped."""
+        fresh = False
         if node.etag and node.etag != info.etag:
             self.on_changed(node.inode)
-            old = node
-            node = Node(self._next_inode, old.path, False, old.settings, validated_at=old.validated_at)
-            self._next_inode += 1
-            self._nodes[node.inode] = node
-            self._by_path[node.path] = node.inode
-        node.size, node.mtime, node.etag = info.size, info.mtime, info.etag
-        node.attr_expire = now + node.settings.attr_ttl
+            node, fresh = self._renode(node), True
         if headed:  # the store's word on the version: its metadata, or nothing (defaults)
             attrs = from_metadata(info.metadata, is_dir=False, defaults=self.defaults,
                                   store_mtime_ns=int(info.mtime * 1e9))
+            if not fresh and node.attrs is None and node.etag and not self._shown_as(node, attrs):
+                node = self._renode(node)
             if attrs != node.attrs:
                 node.attrs, node.link = attrs, None
                 self._note(node)
         elif known is not None and node.attrs is None and known.etag == info.etag:
             node.attrs, node.link = known.attrs, known.link
+        node.size, node.mtime, node.etag = info.size, info.mtime, info.etag
+        node.attr_expire = now + node.settings.attr_ttl
         return node
+
+    def _renode(self, old: Node) -> Node:
+        """A new inode for `old`'s name (its handles keep the old one)."""
+        node = Node(self._next_inode, old.path, False, old.settings, validated_at=old.validated_at,
+                    size=old.size, mtime=old.mtime, etag=old.etag)
+        self._next_inode += 1
+        self._nodes[node.inode] = node
+        self._by_path[node.path] = node.inode
+        parent_path, _, name = node.path.rpartition("/")
+        parent = self._nodes.get(self._by_path.get(parent_path, 0))
+        if parent is not None and parent.children is not None and name in parent.children:
+            parent.children[name] = node.inode
+        return node
+
+    def _shown_as(self, node: Node, attrs: Attrs) -> bool:
+        """Whether the kernel, told `node`'s defaults, shows `attrs`' times. With the
+        write-back cache it keeps a regular file's mtime and ctime as first told:
+        learning other times takes a new inode (as a new version of the object does)."""
+        shown = int(node.mtime * 1e9)
+        return attrs.mtime_ns == attrs.ctime_ns == shown
 
     # -- POSIX attributes ------------------------------------------------------
 
@@ -279,10 +298,17 @@ class Namespace:
             return
         if not has_attrs(metadata):
             return
-        node.attrs = from_metadata(metadata, is_dir=False, defaults=self.defaults,
-                                   store_mtime_ns=int(node.mtime * 1e9))
-        self._note(node)
+        attrs = from_metadata(metadata, is_dir=False, defaults=self.defaults,
+                              store_mtime_ns=int(node.mtime * 1e9))
         self.on_changed(node.inode)
+        if not self._shown_as(node, attrs):
+            node = self._renode(node)
+            parent_path, _, name = key.rpartition("/")
+            parent_inode = self._by_path.get(parent_path)
+            if parent_inode is not None:
+                self.on_gone(parent_inode, name)  # the kernel looks the name up again
+        node.attrs = attrs
+        self._note(node)
 
     async def remember(self) -> None:
         """Write the attribute records noted since the last call."""
@@ -488,6 +514,7 @@ class Namespace:
             if self.untyped(node):  # a symlink or FIFO of another node's? one HEAD tells
                 await self.revalidate(node)
                 node = self._nodes[self._by_path[path]]
+                parent.children[name] = node.inode
         node.lookups += 1
         return node
 
