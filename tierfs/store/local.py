@@ -116,7 +116,8 @@ class LocalStore:
     """`Store` over a directory tree."""
 
     supports_conditional_put = True
-    # The S3 adapter's GET-response hook; xattrs are not read per GET here.
+    # Told (key, ETag, user metadata) by each read from offset 0 (S3Store's
+    # GET-response hook; here the metadata is the file's xattrs).
     on_metadata: Callable[[str, str, dict[str, str]], None] | None = None
 
     def __init__(
@@ -391,6 +392,10 @@ class LocalStore:
                     raise StoreError(
                         f"get '{key}': object changed", errno_=errno.ESTALE, kind="changed"
                     )
+                if start == 0 and self.on_metadata is not None:
+                    meta = _read_meta(fd)
+                    if meta:
+                        self.on_metadata(key, etag_of(st), meta)
                 want = 0 if stat.S_ISDIR(st.st_mode) else min(length, max(0, st.st_size - start))
                 if want == 0:
                     return 0
