@@ -260,6 +260,11 @@ class Namespace:
         kids = node.children or {}
         return 2 + sum(1 for i in kids.values() if (n := self._nodes.get(i)) is not None and n.is_dir)
 
+    def current(self, node: Node) -> Node:
+        """The node now at `node`'s name (a newer version takes a new inode)."""
+        inode = self._by_path.get(node.path)
+        return node if inode is None else self._nodes[inode]
+
     def linked(self, node: Node) -> bool:
         """Whether `node` still has its name (not unlinked, renamed over or replaced)."""
         return self._by_path.get(node.path) == node.inode

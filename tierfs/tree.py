@@ -18,6 +18,7 @@ import pyfuse3
 
 from tierfs.namespace import Namespace, Node, join
 from tierfs.posix import SYMLINK_MAX, Attrs, new_attrs
+from tierfs.store.base import StoreError
 from tierfs.writeback.core import WriteBack
 from tierfs.writeback.session import WriteSession
 
@@ -123,7 +124,17 @@ class TreeChanges:
             # setattr of the times of an inode renamed over): no object is its.
             node.attrs = new
             return
-        info = await self.wb.set_attrs(node.key, node.etag, new)
+        try:
+            info = await self.wb.set_attrs(node.key, node.etag, new)
+        except StoreError as exc:
+            if exc.kind != "precondition" or node.is_dir:
+                raise
+            # The object moved on since this mount saw it (another node's write, or
+            # the kernel flushing times of a version it held): the last change wins,
+            # made on the current version (its bytes stay as they are).
+            current = await self.ns.refresh(node.key)
+            info = await self.wb.set_attrs(node.key, current.etag, new)
+            node = self.ns.current(node)
         if not node.is_dir and info is not None and info.etag != node.etag:
             self.ns.set_attrs(node, new, etag=info.etag)
         else:
