@@ -22,6 +22,7 @@ never contradicted by a later listing of the same version.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -609,7 +610,18 @@ class Namespace:
         if self._listing_stale(node):
             await self._refresh_children(node)
         assert node.children is not None
+        untyped = [n for i in node.children.values() if self.untyped(n := self._nodes[i])]
+        if untyped:  # `ls -l`: their HEADs at once, not one lookup after the other
+            async with trio.open_nursery() as nursery:
+                for child in untyped:
+                    nursery.start_soon(self._type, child)
         return sorted((name, self._nodes[i]) for name, i in node.children.items())
+
+    async def _type(self, node: Node) -> None:
+        """Learn a small object's attributes (is it a symlink?) by HEAD; one that is
+        gone or unreachable stays as the listing showed it."""
+        with contextlib.suppress(OSError, StoreError):
+            await self.revalidate(node)
 
     def size_mtime(self, node: Node) -> tuple[int, float]:
         """A file's size and mtime: its local bytes' if it is being written here."""
