@@ -26,6 +26,7 @@ from tierfs.control import socket_path
 from tierfs.health import StoreHealth
 from tierfs.namespace import Namespace
 from tierfs.policy import Policy
+from tierfs.posix import Defaults
 from tierfs.store.base import Listing, ObjectInfo
 from tierfs.store.s3 import _safe_endpoint
 from tierfs.workers import Workers
@@ -170,11 +171,13 @@ def test_hostile_keys_in_a_listing_are_skipped_or_served_safely(tmp_path: Path) 
         ns = Namespace(store=None, cache=cache, policy=Policy(DEFAULT_RULES, DEFAULT_CLASSES, "default"),  # type: ignore[arg-type]
                        workers=Workers(data=1, upload=1, meta=1, disk=1),
                        health=StoreHealth(probe_every=5.0), overlay=Journal(),
-                       on_changed=lambda inode: None, on_gone=lambda parent, name: None)
+                       on_changed=lambda inode: None, on_gone=lambda parent, name: None,
+                       defaults=Defaults(uid=0, gid=0))
         root = ns.get(1)
 
         def info(key: str) -> ObjectInfo:
-            return ObjectInfo(key, 3, "e" * 32, time.time())
+            # past posix.SYMLINK_MAX: a lookup never HEADs it (there is no store here)
+            return ObjectInfo(key, 1 << 20, "e" * 32, time.time())
 
         listing = Listing(
             files=[info("../../etc/passwd"), info(".."), info("."), info(""), info("a\nb"),
