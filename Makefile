@@ -5,7 +5,7 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 ML_STAMP := $(VENV)/.ml-installed
-DEB     := fuse3 libfuse3-dev pkg-config gcc
+DEB     := fuse3 libfuse3-dev pkg-config gcc rsync git
 PYTEST_ARGS ?=
 
 .PHONY: all demo test deps peer-deps setup ml-deps lint bench clean install uninstall
@@ -21,7 +21,8 @@ DOCDIR  ?= /usr/local/share/doc/tierfs
 
 all: test
 
-# Debian packages (pyfuse3 builds against libfuse3; fusermount3 unmounts).
+# Debian packages (pyfuse3 builds against libfuse3; fusermount3 unmounts; the
+# tools tests run rsync and git on the mount).
 deps:
 	@extra=""; \
 	python3 -c 'import ensurepip' 2>/dev/null || extra="python3-venv"; \

@@ -104,6 +104,7 @@ def build_mount_config(args: argparse.Namespace) -> MountConfig:
         endpoint_url=args.endpoint_url,
         foreground=args.foreground,
         allow_other=args.allow_other or None,
+        uid=args.uid, gid=args.gid, file_mode=args.file_mode, dir_mode=args.dir_mode,
         nonempty=args.nonempty or None,
         allow_unsafe_manifests=args.allow_unsafe_manifests or None,
         log_level=args.log_level,
@@ -204,6 +205,12 @@ def spawn_daemon(args: argparse.Namespace, cfg: MountConfig) -> int:
         argv += ["--endpoint-url", args.endpoint_url]
     if args.allow_other:
         argv.append("--allow-other")
+    for flag, value in (("--uid", args.uid), ("--gid", args.gid)):
+        if value is not None:
+            argv += [flag, str(value)]
+    for flag, value in (("--file-mode", args.file_mode), ("--dir-mode", args.dir_mode)):
+        if value is not None:
+            argv += [flag, f"{value:o}"]
     if args.nonempty:
         argv.append("--nonempty")
     if args.allow_unsafe_manifests:
@@ -466,6 +473,18 @@ def print_status(st: dict[str, Any]) -> None:
 # -- entry point ---------------------------------------------------------------
 
 
+def _id(text: str) -> int:
+    if not text.isdigit() or int(text) >= 0xFFFF_FFFF:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a numeric user or group id")
+    return int(text)
+
+
+def _mode(text: str) -> int:
+    if not text or set(text) - set("01234567") or int(text, 8) > 0o7777:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an octal permission mode (e.g. 640)")
+    return int(text, 8)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tierfs", description=DESCRIPTION)
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -484,6 +503,13 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS)")
     m.add_argument("--foreground", "-f", action="store_true", help="stay attached; unmount on SIGINT/SIGTERM")
     m.add_argument("--allow-other", action="store_true", help="let other users access the mount")
+    m.add_argument("--uid", type=_id, help="owner of objects whose POSIX attributes are "
+                   "unknown (default: the mounting user)")
+    m.add_argument("--gid", type=_id, help="their group (default: the mounting user's)")
+    m.add_argument("--file-mode", type=_mode, metavar="OCTAL",
+                   help="their permissions as files (default: 644)")
+    m.add_argument("--dir-mode", type=_mode, metavar="OCTAL",
+                   help="directories' permissions (default: 755)")
     m.add_argument("--nonempty", action="store_true",
                    help="mount over a directory that has files in it (hiding them)")
     m.add_argument("--allow-unsafe-manifests", action="store_true",

@@ -375,6 +375,10 @@ HELPER_OPTS: dict[str, tuple[str, bool]] = {
     "metrics_allow_remote": ("--metrics-allow-remote", False),
     "allow_other": ("--allow-other", False),
     "nonempty": ("--nonempty", False),
+    "uid": ("--uid", True),
+    "gid": ("--gid", True),
+    "file_mode": ("--file-mode", True),
+    "dir_mode": ("--dir-mode", True),
 }
 
 

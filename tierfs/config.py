@@ -89,6 +89,10 @@ class ClassSettings:
     # barrier are journaled here, the conditional PUT follows; "wait": they
     # return once it is published (ESTALE at close for a lost race).
     publish: str = "background"
+    # A lookup of a small object (<= posix.SYMLINK_MAX bytes) whose POSIX
+    # attributes are unknown asks the store (one HEAD): it may be a symlink or a
+    # FIFO another node made. Off for datasets: a listing answers them (0 HEADs).
+    type_small_objects: bool = True
 
 
 # The largest per-stream readahead window of the bulk classes. It matches the
@@ -162,6 +166,7 @@ DEFAULT_CLASSES: dict[str, ClassSettings] = {
         "dataset", attr_ttl=300.0, list_ttl=300.0, revalidate_on_open=False,
         keep_cache=True, write_mode="writeback", readahead_max=READAHEAD,
         upload_delay=QUIET_DELAY,
+        type_small_objects=False,
     ),
     "checkpoint": ClassSettings(
         "checkpoint", attr_ttl=60.0, list_ttl=60.0, revalidate_on_open=False,
@@ -254,6 +259,12 @@ class MountConfig:
     # unless metrics_allow_remote.
     metrics_addr: str | None = None
     metrics_allow_remote: bool = False
+    # What objects of unknown POSIX attributes show (objects written by other
+    # tools; listings carry no metadata): owner (None: the mounting user) and modes.
+    uid: int | None = None
+    gid: int | None = None
+    file_mode: int = 0o644
+    dir_mode: int = 0o755
 
     # store
     part_size: int = PART_SIZE  # ranged GET / multipart part
@@ -450,6 +461,19 @@ def _want_abs_path(v: Any) -> Path:
     return Path(v)
 
 
+def _want_id(v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 0xFFFF_FFFF:
+        raise ConfigError(f"expected a numeric user or group id, got {v!r}")
+    return v
+
+
+def _want_octal(v: Any) -> int:
+    """A permission mode written as an octal string ("640"), as chmod takes it."""
+    if not isinstance(v, str) or not v or set(v) - set("01234567") or int(v, 8) > 0o7777:
+        raise ConfigError(f'expected an octal permission mode as a string (e.g. "640"), got {v!r}')
+    return int(v, 8)
+
+
 def _want_globs(v: Any) -> tuple[str, ...]:
     if not isinstance(v, list) or not all(isinstance(g, str) and g for g in v):
         raise ConfigError("expected a list of glob strings")
@@ -462,6 +486,10 @@ _KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("", "mountpoint"): ("mountpoint", _want_abs_path),
     ("", "allow_other"): ("allow_other", _want_bool),
     ("", "nonempty"): ("nonempty", _want_bool),
+    ("", "uid"): ("uid", _want_id),
+    ("", "gid"): ("gid", _want_id),
+    ("", "file_mode"): ("file_mode", _want_octal),
+    ("", "dir_mode"): ("dir_mode", _want_octal),
     ("", "allow_unsafe_manifests"): ("allow_unsafe_manifests", _want_bool),
     ("", "default_class"): ("default_class", _want_str),
     ("cache", "dir"): ("cache_dir", _want_abs_path),
@@ -498,6 +526,7 @@ _CLASS_KEYS: dict[str, Callable[[Any], Any]] = {
     "direct_writes": _want_bool,
     "upload_delay": _want_delay,
     "publish": _want_str,
+    "type_small_objects": _want_bool,
 }
 _TOP_SPECIAL = {"rules", "default_rules"}
 
@@ -726,4 +755,10 @@ def build_config(
                           f"{human_size(MIN_CACHE_SIZE)}")
     if cfg.metrics_addr is not None:
         parse_listen_addr(cfg.metrics_addr, cfg.metrics_allow_remote)
+    for name in ("file_mode", "dir_mode"):
+        if not 0 <= getattr(cfg, name) <= 0o7777:
+            raise ConfigError(f"{name} {getattr(cfg, name):o} is not a permission mode (0-7777)")
+    for name in ("uid", "gid"):
+        if getattr(cfg, name) is not None and not 0 <= getattr(cfg, name) < 0xFFFF_FFFF:
+            raise ConfigError(f"{name} {getattr(cfg, name)} is out of range")
     return cfg

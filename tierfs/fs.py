@@ -13,7 +13,6 @@ import errno
 import functools
 import logging
 import os
-import stat
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -21,7 +20,8 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
-from tierfs.config import DEGRADED_ATTR_TTL, LOG_EVERY
+from tierfs.config import LOG_EVERY
+from tierfs.fs_attrs import caller, entry_attributes, setattr_change
 from tierfs.metrics import Metrics
 from tierfs.namespace import Namespace, Node
 from tierfs.read.handles import ReadHandle, ReadPath
@@ -90,26 +90,10 @@ class TierFS(pyfuse3.Operations):
         self._handles: dict[int, ReadHandle | WriteSession] = {}
         self._dirs: dict[int, list[tuple[str, Node]]] = {}
         self._next_fh = 1
-        self.uid, self.gid = os.getuid(), os.getgid()
         self._logged: dict[str, tuple[float, int]] = {}
 
     def attrs(self, node: Node) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
-        size, mtime = self.ns.size_mtime(node)
-        a.st_ino = node.inode
-        a.generation = 0
-        a.st_mode = self.ns.mode(node)
-        a.st_nlink = 2 if node.is_dir else 1
-        a.st_uid, a.st_gid = self.uid, self.gid
-        a.st_size = size
-        a.st_blksize = 1 << 20
-        a.st_blocks = (size + 511) // 512
-        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = int(mtime * 1e9)
-        ttl = node.settings.attr_ttl
-        if self.ns.health.degraded:
-            ttl = min(ttl, DEGRADED_ATTR_TTL)
-        a.attr_timeout = a.entry_timeout = min(ttl, 1e6)
-        return a
+        return entry_attributes(self.ns, node)
 
     # -- names and attributes -----------------------------------------------------------
 
@@ -136,20 +120,14 @@ class TierFS(pyfuse3.Operations):
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
                       fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         node = await self.ns.getattr(inode)
-        if fields.update_mode and stat.S_IMODE(attr.st_mode) != stat.S_IMODE(self.ns.mode(node)):
-            raise pyfuse3.FUSEError(errno.EPERM)  # modes are not stored (README)
-        if (fields.update_uid and attr.st_uid != self.uid) or (
-                fields.update_gid and attr.st_gid != self.gid):
-            raise pyfuse3.FUSEError(errno.EPERM)
         if fields.update_size:
             h = self._handles.get(fh) if fh is not None else None
             if isinstance(h, WriteSession):
                 await h.truncate(attr.st_size)
             else:
                 await self.tree.truncate(node, attr.st_size)
-        if fields.update_mtime:
-            self.tree.set_mtime(node, attr.st_mtime_ns / 1e9)
-        return self.attrs(node)
+        await self.tree.set_attrs(node, setattr_change(attr, fields))
+        return self.attrs(self.ns.get(inode))
 
     # -- directories -------------------------------------------------------------------
 
@@ -175,7 +153,7 @@ class TierFS(pyfuse3.Operations):
     @fuse_errors
     async def mkdir(self, parent_inode: int, name: bytes, mode: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        node = await self.tree.mkdir(parent_inode, _name(name))
+        node = await self.tree.mkdir(parent_inode, _name(name), mode, caller(ctx))
         self.metrics.meta_op("mkdir")
         return self.attrs(node)
 
@@ -199,17 +177,27 @@ class TierFS(pyfuse3.Operations):
     @fuse_errors
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,
                       ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        raise pyfuse3.FUSEError(errno.EPERM)  # objects have no link type (README)
+        node = await self.tree.symlink(parent_inode, _name(name),
+                                       target.decode("utf-8", "surrogateescape"), caller(ctx))
+        self.metrics.meta_op("symlink")
+        return self.attrs(node)
+
+    @fuse_errors
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        target = await self.tree.readlink(self.ns.get(inode))
+        return target.encode("utf-8", "surrogateescape")
 
     @fuse_errors
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        raise pyfuse3.FUSEError(errno.EPERM)
+        raise pyfuse3.FUSEError(errno.EPERM)  # no plain-object form of a hard link (README)
 
     @fuse_errors
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        raise pyfuse3.FUSEError(errno.EPERM)
+        node = await self.tree.mknod(parent_inode, _name(name), mode, caller(ctx))
+        self.metrics.meta_op("mknod")
+        return self.attrs(node)
 
     # -- files -------------------------------------------------------------------------
 
@@ -223,7 +211,7 @@ class TierFS(pyfuse3.Operations):
         h: ReadHandle | WriteSession
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC):
             h = await self.wb.open(node.path, node.etag, node.size, node.mtime, flags=flags,
-                                   inode=node.inode)
+                                   inode=node.inode, attrs=node.attrs)
         else:
             h = await self.reads.open(node.path, node.etag, node.size, node.mtime, node.settings)
         self.metrics.meta_op("open")
@@ -232,7 +220,7 @@ class TierFS(pyfuse3.Operations):
     @fuse_errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        node, h = await self.tree.create(parent_inode, _name(name), flags)
+        node, h = await self.tree.create(parent_inode, _name(name), flags, mode, caller(ctx))
         self.metrics.meta_op("create")
         info = pyfuse3.FileInfo(fh=self._add(h), keep_cache=h.keep_cache, direct_io=h.direct)
         return info, self.attrs(node)

@@ -45,6 +45,7 @@ from tierfs.metrics import Metrics
 from tierfs.namespace import Namespace
 from tierfs.ops import ControlOps, MountInfo
 from tierfs.policy import Policy
+from tierfs.posix import Defaults
 from tierfs.read.handles import ReadPath
 from tierfs.read.reader import SERVE_BUFFER, Reader
 from tierfs.sdnotify import notify
@@ -104,8 +105,14 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
                                   cap=cfg.max_parallel_puts * cfg.part_size, exact=True)
         kernel = KernelCache()
         journal = Journal()
+        defaults = Defaults(
+            uid=os.getuid() if cfg.uid is None else cfg.uid,
+            gid=os.getgid() if cfg.gid is None else cfg.gid,
+            file_mode=cfg.file_mode, dir_mode=cfg.dir_mode)
         ns = Namespace(store, cache, policy, workers, health=health, overlay=journal,
-                       on_changed=kernel.drop_pages, on_gone=kernel.drop_name)
+                       on_changed=kernel.drop_pages, on_gone=kernel.drop_name,
+                       defaults=defaults)
+        store.on_metadata = _to_loop(ns.learn)
         reader = Reader(
             store, workers, nursery, budget=budget, parts=parts, serve=serve_buffers,
             part_size=cfg.part_size, readahead_min=cfg.readahead_min,
@@ -163,7 +170,11 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
                                           request_errors=(StoreError,)).serve)
         nursery.start_soon(_collect_orphans, cache, workers)
         options = set(pyfuse3.default_options)
-        options |= {f"fsname=tierfs:{store.url}", "subtype=tierfs", "noatime"}
+        # Modes and owners come from whoever can write the bucket: a setuid-root
+        # mode in an object must never run as root, nor a device node open.
+        # noatime: atime is stored when set explicitly (utimensat), never on reads.
+        options |= {f"fsname=tierfs:{store.url}", "subtype=tierfs", "noatime", "nosuid",
+                    "nodev"}
         if cfg.allow_other:
             options.add("allow_other")
         pyfuse3.init(ops, str(cfg.mountpoint), options)
@@ -200,6 +211,18 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
                 with contextlib.suppress(OSError):
                     entry.unlink()
             nursery.cancel_scope.cancel()
+
+
+def _to_loop(learn: Callable[[str, str, dict[str, str]], None]
+             ) -> Callable[[str, str, dict[str, str]], None]:
+    """`learn`, callable from worker threads: it runs soon in this trio loop."""
+    token = trio.lowlevel.current_trio_token()
+
+    def call(key: str, etag: str, metadata: dict[str, str]) -> None:
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(learn, key, etag, metadata)
+
+    return call
 
 
 def _apply_write(workers: Workers) -> Callable[[Entry, int, bytes], Awaitable[None]]:

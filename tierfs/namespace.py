@@ -11,17 +11,25 @@ read before stays reachable. A directory this mount never had the store's
 whole listing of is then incomplete: a name missing from it is unknown, not
 absent, and is answered with EIO, never ENOENT (a training script that sees
 `latest` missing would start over from scratch).
+
+POSIX attributes (mode, owner, times; symlink targets) are object metadata
+(posix.py), which listings do not carry. A node's `attrs` are None until
+known: from a HEAD, from this mount's own changes, or from the record the
+tier-1 index keeps per object version (what this node learned before a
+remount). Unknown attributes show the mount's defaults; what is known is
+never contradicted by a later listing of the same version.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
 import stat
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import trio
@@ -30,6 +38,15 @@ from tierfs.cache import Cache
 from tierfs.config import DEGRADED_RETRY, ClassSettings
 from tierfs.health import StoreHealth
 from tierfs.policy import Policy
+from tierfs.posix import (
+    SYMLINK_MAX,
+    Attrs,
+    Defaults,
+    Known,
+    default_attrs,
+    from_metadata,
+    has_attrs,
+)
 from tierfs.store.base import UNREACHABLE_KINDS, Listing, ObjectInfo, Store, StoreError
 from tierfs.workers import Workers
 
@@ -60,6 +77,8 @@ class Node:
     complete: bool = True
     lookups: int = 0  # kernel references (lookup counts minus forgets)
     validated_at: float = -math.inf  # monotonic time of the last HEAD
+    attrs: Attrs | None = None  # POSIX attributes, once known (None: the mount's defaults)
+    link: str | None = None  # a symlink's target, once read
 
     @property
     def key(self) -> str:
@@ -72,6 +91,7 @@ class Node:
 class LocalFile(Protocol):
     size: int
     mtime: float
+    attrs: Attrs | None
 
 
 class LocalOverlay(Protocol):
@@ -129,6 +149,7 @@ class Namespace:
         overlay: LocalOverlay,
         on_changed: Callable[[int], None],
         on_gone: Callable[[int, str], None],
+        defaults: Defaults,
     ) -> None:
         self.store = store
         self.cache = cache
@@ -144,6 +165,8 @@ class Namespace:
         self._listing: dict[int, _Pending] = {}
         self._odd_logged: set[str] = set()
         self.mount_time = time.time()
+        self.defaults = defaults
+        self._remember: dict[str, bytes | None] = {}  # attribute records not yet in the index
         root = Node(ROOT_INODE, "", True, policy.settings(""), mtime=self.mount_time)
         self._nodes[ROOT_INODE] = root
         self._by_path[""] = ROOT_INODE
@@ -171,22 +194,152 @@ class Namespace:
         self._by_path[path] = node.inode
         return node
 
-    def _apply_info(self, node: Node, info: ObjectInfo, now: float) -> Node:
+    def _apply_info(self, node: Node, info: ObjectInfo, now: float, *, headed: bool = False,
+                    known: Known | None = None) -> Node:
         """Record an object's attributes. An object replaced in the store by someone
         else gets a new inode, like a file replaced by rename on a local disk: with
         the kernel's write-back cache on, the kernel trusts its own cached size of
         an inode over ours, so the old inode could never show the new size. Handles
         open on the old inode keep reading the old version; its pages are dropped."""
+        fresh = False
         if node.etag and node.etag != info.etag:
             self.on_changed(node.inode)
-            old = node
-            node = Node(self._next_inode, old.path, False, old.settings, validated_at=old.validated_at)
-            self._next_inode += 1
-            self._nodes[node.inode] = node
-            self._by_path[node.path] = node.inode
+            node, fresh = self._renode(node), True
+        if headed:  # the store's word on the version: its metadata, or nothing (defaults)
+            attrs = from_metadata(info.metadata, is_dir=False, defaults=self.defaults,
+                                  store_mtime_ns=int(info.mtime * 1e9))
+            if not fresh and node.attrs is None and node.etag and not self._shown_as(node, attrs):
+                node = self._renode(node)
+            if attrs != node.attrs:
+                node.attrs, node.link = attrs, None
+                self._note(node)
+        elif known is not None and node.attrs is None and known.etag == info.etag:
+            node.attrs, node.link = known.attrs, known.link
         node.size, node.mtime, node.etag = info.size, info.mtime, info.etag
         node.attr_expire = now + node.settings.attr_ttl
         return node
+
+    def _renode(self, old: Node) -> Node:
+        """A new inode for `old`'s name (its handles keep the old one)."""
+        node = Node(self._next_inode, old.path, False, old.settings, validated_at=old.validated_at,
+                    size=old.size, mtime=old.mtime, etag=old.etag)
+        self._next_inode += 1
+        self._nodes[node.inode] = node
+        self._by_path[node.path] = node.inode
+        parent_path, _, name = node.path.rpartition("/")
+        parent = self._nodes.get(self._by_path.get(parent_path, 0))
+        if parent is not None and parent.children is not None and name in parent.children:
+            parent.children[name] = node.inode
+        return node
+
+    def _shown_as(self, node: Node, attrs: Attrs) -> bool:
+        """Whether the kernel, told `node`'s defaults, shows `attrs`' times. With the
+        write-back cache it keeps a regular file's mtime and ctime as first told:
+        learning other times takes a new inode (as a new version of the object does)."""
+        shown = int(node.mtime * 1e9)
+        return attrs.mtime_ns == attrs.ctime_ns == shown
+
+    # -- POSIX attributes ------------------------------------------------------
+
+    def stat(self, node: Node) -> tuple[Attrs, int]:
+        """A node's attributes and size, as stat shows them."""
+        size, mtime = self.size_mtime(node)
+        a = node.attrs
+        if node.is_dir:
+            return a or default_attrs(stat.S_IFDIR, self.defaults, int(node.mtime * 1e9)), 0
+        lf = self.overlay.local_file(node.path)
+        if lf is not None:
+            a = lf.attrs or a
+        if a is None:
+            return default_attrs(stat.S_IFREG, self.defaults, int(mtime * 1e9)), size
+        return (a if lf is None else a.written_at(lf.mtime)), size
+
+    def nlink(self, node: Node) -> int:
+        """2 + subdirectories for a directory whose entries are known, else 2; 1 for files."""
+        if not node.is_dir:
+            return 1
+        kids = node.children or {}
+        return 2 + sum(1 for i in kids.values() if (n := self._nodes.get(i)) is not None and n.is_dir)
+
+    def current(self, node: Node) -> Node:
+        """The node now at `node`'s name (a newer version takes a new inode)."""
+        inode = self._by_path.get(node.path)
+        return node if inode is None else self._nodes[inode]
+
+    def linked(self, node: Node) -> bool:
+        """Whether `node` still has its name (not unlinked, renamed over or replaced)."""
+        return self._by_path.get(node.path) == node.inode
+
+    def set_attrs(self, node: Node, attrs: Attrs, *, etag: str | None = None,
+                  link: str | None = None) -> None:
+        """Attributes this mount gave `node` (and the object's new ETag, if it has one)."""
+        if etag is not None:
+            node.etag = etag
+        node.attrs = attrs
+        if link is not None:
+            node.link = link
+        self._note(node)
+
+    def touch_dir(self, inode: int) -> None:
+        """An entry was added to or removed from a directory: its mtime and ctime move."""
+        node = self._nodes.get(inode)
+        if node is None or not node.is_dir:
+            return
+        now = time.time_ns()
+        base, _ = self.stat(node)
+        node.mtime = now / 1e9
+        self.set_attrs(node, replace(base, mtime_ns=now, ctime_ns=now))
+
+    def _note(self, node: Node) -> None:
+        """Keep `node`'s attributes in the index (on the next `remember`)."""
+        if node.attrs is not None:
+            self._remember[node.key] = Known(node.etag, 0, node.attrs, node.link).pack()
+
+    def learn(self, key: str, etag: str, metadata: dict[str, str]) -> None:
+        """A GET's response showed the attributes of `key` at `etag`: take them if they
+        were unknown (the kernel is told to ask again: one invalidation per version)."""
+        inode = self._by_path.get(key)
+        node = None if inode is None else self._nodes[inode]
+        if node is None or node.is_dir or node.attrs is not None or node.etag != etag:
+            return
+        if not has_attrs(metadata):
+            return
+        attrs = from_metadata(metadata, is_dir=False, defaults=self.defaults,
+                              store_mtime_ns=int(node.mtime * 1e9))
+        self.on_changed(node.inode)
+        if not self._shown_as(node, attrs):
+            node = self._renode(node)
+            parent_path, _, name = key.rpartition("/")
+            parent_inode = self._by_path.get(parent_path)
+            if parent_inode is not None:
+                self.on_gone(parent_inode, name)  # the kernel looks the name up again
+        node.attrs = attrs
+        self._note(node)
+
+    async def remember(self) -> None:
+        """Write the attribute records noted since the last call."""
+        if self._remember:
+            batch, self._remember = self._remember, {}
+            await self.workers.disk(self.cache.set_attrs, batch)
+
+    async def _known(self, keys: list[str]) -> dict[str, Known]:
+        if not keys:
+            return {}
+        raw = await self.workers.disk(self.cache.attrs_of, keys)
+        return {k: known for k, r in raw.items() if (known := Known.unpack(r)) is not None}
+
+    async def readlink(self, node: Node) -> str:
+        """A symlink's target: its object's body (read once)."""
+        a, _ = self.stat(node)
+        if a.kind != stat.S_IFLNK:
+            raise OSError(errno.EINVAL, "not a symlink")
+        if node.link is None:
+            body = await self.workers.meta(self.store.get_range, node.key, 0, SYMLINK_MAX + 1,
+                                           node.etag or None)
+            node.link = body.decode("utf-8", "surrogateescape")
+            self._note(node)
+            await self.remember()
+        return node.link
 
     def _apply_local(self, node: Node, lf: LocalFile) -> None:
         node.size, node.mtime, node.etag = lf.size, lf.mtime, ""
@@ -266,7 +419,10 @@ class Namespace:
         pending = self._listing[node.inode] = _Pending()
         try:
             listing, complete = await self._fetch_listing(node)
-            self._install_listing(node, listing, complete)
+            known = await self._known([
+                *(i.key for i in listing.files if self._unknown(i)),
+                *(f"{node.key}{d}/" for d in listing.dirs if self._unknown_dir(node, d))])
+            self._install_listing(node, listing, complete, known)
         except BaseException as exc:
             pending.error = exc
             raise
@@ -274,7 +430,17 @@ class Namespace:
             del self._listing[node.inode]
             pending.done.set()
 
-    def _install_listing(self, node: Node, listing: Listing, complete: bool = True) -> None:
+    def _unknown(self, info: ObjectInfo) -> bool:
+        inode = self._by_path.get(info.key)
+        n = None if inode is None else self._nodes[inode]
+        return n is None or n.attrs is None or n.etag != info.etag
+
+    def _unknown_dir(self, parent: Node, name: str) -> bool:
+        inode = self._by_path.get(join(parent.path, name))
+        return inode is None or self._nodes[inode].attrs is None
+
+    def _install_listing(self, node: Node, listing: Listing, complete: bool = True,
+                         known: Mapping[str, Known] | None = None) -> None:
         """Take a listing. An incomplete one (the index's, the store being away)
         adds to what this mount knew of the directory; if that is nothing at all,
         the directory's entries are unknown: EIO, not an empty directory."""
@@ -287,7 +453,11 @@ class Namespace:
             if not valid_name(name):
                 self._log_odd(node.key + name + "/", "not a valid directory name")
                 continue
-            children[name] = self._node_for(join(node.path, name), True).inode
+            sub = self._node_for(join(node.path, name), True)
+            if sub.attrs is None and known and (k := known.get(sub.key)) is not None:
+                sub.attrs = k.attrs
+                sub.mtime = k.attrs.mtime_ns / 1e9
+            children[name] = sub.inode
         for info in listing.files:
             name = info.key[len(node.key) :]
             if not valid_name(name) or "/" in name:
@@ -297,7 +467,7 @@ class Namespace:
                 self._log_odd(info.key, "both an object and a prefix; the directory wins")
                 continue
             child = self._node_for(info.key, False)
-            child = self._apply_info(child, info, now)
+            child = self._apply_info(child, info, now, known=known.get(info.key) if known else None)
             children[name] = child.inode
         files, dirs = self.overlay.local_children(node.key)
         for name in dirs:
@@ -347,8 +517,19 @@ class Namespace:
             if inode is None:
                 raise _absent(parent)
             node = self._nodes[inode]
+            if self.untyped(node):  # a symlink or FIFO of another node's? one HEAD tells
+                await self.revalidate(node)
+                node = self._nodes[self._by_path[path]]
+                parent.children[name] = node.inode
         node.lookups += 1
         return node
+
+    def untyped(self, node: Node) -> bool:
+        """Whether `node` may be a symlink or FIFO this mount cannot tell from a regular
+        file yet (a small object of unknown attributes, in a class that asks)."""
+        return (node.attrs is None and not node.is_dir and bool(node.etag)
+                and node.size <= SYMLINK_MAX and node.settings.type_small_objects
+                and not self.health.degraded)
 
     async def _lookup_strict(self, parent: Node, name: str, path: str) -> Node:
         """Manifest-class lookup: the store's word, never the listing cache
@@ -375,8 +556,9 @@ class Namespace:
                 # A new or changed manifest vouches for files in its directory
                 # subtree: listings cached from before it may not show them yet.
                 self._expire_listings(parent.path)
-            node = self._apply_info(node, info, time.monotonic())
+            node = self._apply_info(node, info, time.monotonic(), headed=True)
             node.validated_at = time.monotonic()
+            await self.remember()
         else:
             # Not an object; perhaps a prefix. A listing of the parent decides.
             if self._listing_stale(parent):
@@ -417,8 +599,9 @@ class Namespace:
             raise
         if info is None:
             raise OSError(errno.ENOENT, "object no longer exists")
-        current = self._apply_info(node, info, time.monotonic())
+        current = self._apply_info(node, info, time.monotonic(), headed=True)
         node.validated_at = current.validated_at = time.monotonic()
+        await self.remember()
 
     async def readdir(self, inode: int) -> list[tuple[str, Node]]:
         node = self.get(inode)
@@ -427,12 +610,18 @@ class Namespace:
         if self._listing_stale(node):
             await self._refresh_children(node)
         assert node.children is not None
+        untyped = [n for i in node.children.values() if self.untyped(n := self._nodes[i])]
+        if untyped:  # `ls -l`: their HEADs at once, not one lookup after the other
+            async with trio.open_nursery() as nursery:
+                for child in untyped:
+                    nursery.start_soon(self._type, child)
         return sorted((name, self._nodes[i]) for name, i in node.children.items())
 
-    def mode(self, node: Node) -> int:
-        if node.is_dir:
-            return stat.S_IFDIR | 0o755
-        return stat.S_IFREG | 0o644
+    async def _type(self, node: Node) -> None:
+        """Learn a small object's attributes (is it a symlink?) by HEAD; one that is
+        gone or unreachable stays as the listing showed it."""
+        with contextlib.suppress(OSError, StoreError):
+            await self.revalidate(node)
 
     def size_mtime(self, node: Node) -> tuple[int, float]:
         """A file's size and mtime: its local bytes' if it is being written here."""
@@ -446,14 +635,12 @@ class Namespace:
             raise OSError(errno.ENOENT, f"{key}: no longer in the store")
         inode = self._by_path.get(key)
         if inode is not None and not self._nodes[inode].is_dir:
-            node = self._apply_info(self._nodes[inode], info, time.monotonic())
+            node = self._apply_info(self._nodes[inode], info, time.monotonic(), headed=True)
             node.validated_at = time.monotonic()
+            await self.remember()
         return info
 
     # -- changes made through this mount ----------------------------------------
-
-    def set_mtime(self, node: Node, mtime: float) -> None:
-        node.mtime = mtime
 
     def local_dropped(self, key: str) -> None:
         """A file's local bytes are gone (never acknowledged, or refused): what the
@@ -483,13 +670,16 @@ class Namespace:
         key = join(parent.path, name) + ("/" if is_dir else "")
         self.store.check_key(key)
 
-    def add(self, parent_inode: int, name: str, *, is_dir: bool, size: int = 0) -> Node:
-        """Record a file or directory this mount created."""
+    def add(self, parent_inode: int, name: str, *, is_dir: bool, attrs: Attrs, size: int = 0,
+            etag: str = "", link: str | None = None) -> Node:
+        """Record a file, directory, symlink or FIFO this mount created."""
         parent = self.get(parent_inode)
         if not valid_name(name):
             raise OSError(_bad_name_errno(name, errno.EINVAL), "invalid name")
         node = self._node_for(join(parent.path, name), is_dir)
-        node.size, node.mtime, node.etag = size, time.time(), ""
+        node.size, node.mtime, node.etag = size, attrs.mtime_ns / 1e9, etag
+        node.attrs, node.link = attrs, link
+        self._note(node)
         node.attr_expire = time.monotonic() + node.settings.attr_ttl
         if is_dir and node.children is None:
             node.children, node.children_expire = {}, time.monotonic() + node.settings.list_ttl
@@ -497,6 +687,7 @@ class Namespace:
         if parent.children is not None:
             parent.children[name] = node.inode
         node.lookups += 1
+        self.touch_dir(parent_inode)
         return node
 
     def remove(self, parent_inode: int, name: str) -> None:
@@ -505,6 +696,9 @@ class Namespace:
         if parent.children is not None:
             parent.children.pop(name, None)
         inode = self._by_path.pop(path, None)
+        if inode is not None:
+            self._remember[self._nodes[inode].key] = None
+        self.touch_dir(parent_inode)
         if inode is not None and self._nodes[inode].is_dir:  # a file has nothing below it
             for sub in [p for p in self._by_path if p.startswith(path + "/")]:
                 del self._by_path[sub]
@@ -517,28 +711,45 @@ class Namespace:
         self.remove(new_parent, new_name)
         if src.children is not None:
             src.children.pop(old_name, None)
+        self.touch_dir(old_parent)
         if inode is None:
             dst.children_expire = -math.inf  # unknown here: the next lookup re-lists
             return
         below = (p for p in self._by_path if p.startswith(old_path + "/")) if self._nodes[inode].is_dir else ()
+        now = time.time_ns()
         for path in sorted([old_path, *below]):
             moved = self._by_path.pop(path)
             node = self._nodes[moved]
+            self._remember[node.key] = None
             node.path = new_path + path[len(old_path):]
             node.settings = self.policy.settings(node.path)
             self._by_path[node.path] = moved
+            if moved == inode and node.attrs is not None:  # rename(2) moves the ctime
+                node.attrs = replace(node.attrs, ctime_ns=now)
+            self._note(node)
         if dst.children is not None:
             dst.children[new_name] = inode
 
-    def uploaded(self, key: str, info: ObjectInfo) -> None:
-        """A local file landed in the store: take its store attributes quietly (and
-        show its name, if a cached listing of its directory lacks it: a file put
-        back from quarantine)."""
+    async def uploaded(self, key: str, info: ObjectInfo) -> None:
+        """A local file landed in the store (or an object was copied): take its store
+        attributes quietly (and show its name, if a cached listing of its directory
+        lacks it: a file put back from quarantine). `info.metadata` is the object's."""
+        self._took(key, info)
+        await self.remember()
+
+    def _took(self, key: str, info: ObjectInfo) -> None:
         inode = self._by_path.get(key)
         if inode is not None:
             node = self._nodes[inode]
             node.size, node.mtime, node.etag = info.size, info.mtime, info.etag
             node.attr_expire = time.monotonic() + node.settings.attr_ttl
+            if has_attrs(info.metadata):
+                stored = from_metadata(info.metadata, is_dir=False, defaults=self.defaults,
+                                       store_mtime_ns=int(info.mtime * 1e9))
+                if node.attrs is not None:  # a rename's copy: its ctime is this mount's
+                    stored = replace(stored, ctime_ns=max(stored.ctime_ns, node.attrs.ctime_ns))
+                node.attrs = stored
+            self._note(node)
             return
         parent_path, _, name = key.rpartition("/")
         parent_inode = self._by_path.get(parent_path)
@@ -546,5 +757,6 @@ class Namespace:
             return
         parent = self._nodes[parent_inode]
         if parent.is_dir and parent.children is not None:
-            node = self._apply_info(self._node_for(key, False), info, time.monotonic())
+            node = self._apply_info(self._node_for(key, False), info, time.monotonic(),
+                                    headed=has_attrs(info.metadata))
             parent.children[name] = node.inode

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -49,3 +51,14 @@ def own_server(tmp_path: Path) -> Iterator[SeaweedServer]:
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory another user can reach (pytest's tmp dirs are 0700). Requested
+    before mount_factory, so it is removed after every mount in it is gone."""
+    base = Path(tempfile.mkdtemp(prefix="tierfs-sec-", dir="/tmp"))
+    base.chmod(0o755)
+    yield base
+    if not os.path.ismount(base / "mnt"):
+        shutil.rmtree(base, ignore_errors=True)

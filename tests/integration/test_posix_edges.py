@@ -99,7 +99,7 @@ def test_mtime_set_through_the_mount_is_stored_with_the_object(
     assert os.stat(path).st_mtime == pytest.approx(when, abs=1e-3)
     flush(m)
     head = s3_server.client().head_object(Bucket=bucket, Key="ckpt/model.pt")
-    assert float(head["Metadata"]["tierfs-mtime"]) == pytest.approx(when, abs=1e-6)
+    assert float(head["Metadata"]["mtime"]) == pytest.approx(when, abs=1e-6)  # s3fs's name
 
 
 def test_writes_through_a_file_source(mount_factory: MountFactory, tmp_path: Path) -> None:
@@ -129,3 +129,21 @@ def test_writes_through_a_file_source(mount_factory: MountFactory, tmp_path: Pat
         f.write(b"X")
     flush(m)
     assert (root / "renamed.txt").read_bytes() == b"oXd"
+
+
+def test_fstat_after_unlink_shows_no_links(
+    mount_factory: MountFactory, bucket: str, tmp_path: Path
+) -> None:
+    cfg = tmp_path / "ttl0.toml"  # every fstat asks the daemon, not the kernel's cache
+    cfg.write_text("[classes.default]\nattr_ttl = 0\n")
+    m = mount_factory(f"s3://{bucket}", "--config", str(cfg))
+    for name, flush_first in (("pending.bin", False), ("stored.bin", True)):
+        p = m.mountpoint / name
+        p.write_bytes(b"x" * 100)
+        if flush_first:
+            assert run_tierfs("flush", str(m.mountpoint), env=m.env, timeout=120).returncode == 0
+        with open(p, "rb") as f:
+            assert os.fstat(f.fileno()).st_nlink == 1
+            os.unlink(p)
+            assert os.fstat(f.fileno()).st_nlink == 0
+            assert f.read() == b"x" * 100

@@ -203,3 +203,22 @@ def test_read_readahead_is_the_window_of_every_class_not_setting_its_own(tmp_pat
     assert cfg.classes["dataset"].readahead_max == 128 * MiB
     assert cfg.classes["checkpoint"].readahead_max == 32 * MiB
     assert build_config(None, "s3://bkt", "/mnt/x").classes["dataset"].readahead_max == 64 * MiB
+
+
+def test_owner_and_mode_defaults_from_flags_file_and_mount_options(tmp_path: Path) -> None:
+    p = write(tmp_path, 'source = "s3://bkt"\nmountpoint = "/mnt/a"\nuid = 1000\n'
+                        'file_mode = "640"\ndir_mode = "2750"\n')
+    cfg = build_config(load_config_file(p), None, None, gid=100)
+    assert (cfg.uid, cfg.gid, cfg.file_mode, cfg.dir_mode) == (1000, 100, 0o640, 0o2750)
+    plain = build_config(None, "s3://bkt", "/mnt/a")
+    assert (plain.uid, plain.gid, plain.file_mode, plain.dir_mode) == (None, None, 0o644, 0o755)
+    for bad in ('file_mode = 644', 'file_mode = "9"', 'dir_mode = "17777"', "uid = -1"):
+        with pytest.raises(ConfigFileError):
+            load_config_file(write(tmp_path, bad + "\n", "bad.toml"))
+    argv = helper_argv(["s3://bkt", "/mnt/a", "-o", "uid=1000,gid=100,file_mode=640,dir_mode=750"])
+    assert argv is not None
+    assert argv[argv.index("--uid") + 1] == "1000" and argv[argv.index("--file-mode") + 1] == "640"
+    bad_flag = subprocess.run([sys.executable, "-m", "tierfs", "mount", "s3://bkt", "/mnt/a",
+                               "--file-mode", "8"], capture_output=True, text=True, timeout=60)
+    assert bad_flag.returncode != 0
+    assert "not an octal permission mode" in bad_flag.stderr and "Traceback" not in bad_flag.stderr

@@ -254,6 +254,16 @@ class Cache:
         rec = self.index.record(kh)
         return None if rec is None else rec.public()
 
+    def attrs_of(self, keys: list[str]) -> dict[str, bytes]:
+        """The POSIX attribute records (posix.Known, packed) kept for these keys."""
+        got = self.index.attrs_of(key_hash(k) for k in keys)
+        return {k: got[kh] for k in keys if (kh := key_hash(k)) in got} if got else {}
+
+    def set_attrs(self, records: dict[str, bytes | None]) -> None:
+        """Keep (or, for None, forget) POSIX attribute records. They outlive
+        eviction: a few dozen bytes each, read again after a remount."""
+        self.index.set_attrs((key_hash(k), v) for k, v in records.items())
+
     def iter_objects(self, prefix: str = "") -> Iterator[CachedObject]:
         """Every cached object whose key starts with `prefix` (a full index scan)."""
         for kh, rec in self.index.records():

@@ -1,12 +1,14 @@
 """LMDB index of the tier-1 cache (DESIGN §4).
 
-One environment, four sub-databases. Every key is a fixed-size hash, so object
+One environment, five sub-databases. Every key is a fixed-size hash, so object
 keys of any length fit (LMDB keys stop at 511 bytes):
 
   objects  key_hash(16)                          -> Record
   chunks   file_id(16) + chunk_index(4, BE)      -> xxh3_64 digest (8)
   order    segment(1) + rank_ns(8, BE) + key_hash(16) -> b""   (clean objects only)
   meta     version, identity, chunk_size, used, protected
+  attrs    key_hash(16)                          -> POSIX attributes of one object
+                                                    version (posix.Known; not evicted)
 
 `order` is the eviction order itself (see eviction.py); `used` and `protected`
 are running byte totals kept exact by `WriteTxn.put`, so opening a cache with
@@ -206,7 +208,7 @@ class WriteTxn:
         self.put(kh, rec, None)
 
     def wipe(self) -> None:
-        for db in (self.ix.objects, self.ix.chunks, self.ix.order):
+        for db in (self.ix.objects, self.ix.chunks, self.ix.order, self.ix.attrs):
             self.txn.drop(db, delete=False)
         self.used_delta -= self.counter(b"used")
         self.set_meta(b"used", _I64.pack(0))
@@ -220,7 +222,7 @@ class Index:
             str(path),
             map_size=map_size,
             subdir=True,
-            max_dbs=4,
+            max_dbs=5,
             max_readers=1024,
             sync=False,
             metasync=False,
@@ -232,6 +234,7 @@ class Index:
         self.chunks = self.env.open_db(b"chunks")
         self.order = self.env.open_db(b"order")
         self.meta = self.env.open_db(b"meta")
+        self.attrs = self.env.open_db(b"attrs")
         self._data_fd = os.open(path / "data.mdb", os.O_RDWR | os.O_CLOEXEC)
         self._can_hold = True
         st = os.statvfs(path)
@@ -289,6 +292,27 @@ class Index:
         with self.read() as txn:
             raw = txn.get(kh, db=self.objects)
         return None if raw is None else Record.decode(_bytes(raw))
+
+    def attrs_of(self, khs: Iterable[bytes]) -> dict[bytes, bytes]:
+        """The attribute records of these key hashes (those that have one)."""
+        with self.read() as txn:
+            if not txn.stat(self.attrs)["entries"]:
+                return {}
+            out = {}
+            for kh in khs:
+                raw = txn.get(kh, db=self.attrs)
+                if raw is not None:
+                    out[kh] = _bytes(raw)
+            return out
+
+    def set_attrs(self, changes: Iterable[tuple[bytes, bytes | None]]) -> None:
+        """Write (or, for None, drop) attribute records."""
+        with self.write() as wt:
+            for kh, raw in changes:
+                if raw is None:
+                    wt.txn.delete(kh, db=self.attrs)
+                else:
+                    wt.txn.put(kh, raw, db=self.attrs)
 
     def counter(self, name: bytes) -> int:
         with self.read() as txn:

@@ -20,7 +20,7 @@ class ObjectInfo:
     size: int
     etag: str  # without quotes
     mtime: float  # seconds since the epoch
-    metadata: dict[str, str] = field(default_factory=dict)  # user metadata (HEAD only)
+    metadata: dict[str, str] = field(default_factory=dict)  # user metadata (not in listings)
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,8 @@ class Store(Protocol):
     url: str  # display form, never with secrets: s3://bucket/prefix or file:///path
     identity: str  # stable id of (endpoint, bucket, prefix) for cache naming
     supports_conditional_put: bool
+    # (key, ETag, user metadata) of a GET's response, where the adapter sees it.
+    on_metadata: Callable[[str, str, dict[str, str]], None] | None
 
     def check(self) -> None:
         """Verify the source exists and the credentials work; raise StoreError with a one-line reason."""
@@ -159,8 +161,15 @@ class Store(Protocol):
     def probe_conditional_put(self) -> bool:
         """Whether the store enforces If-Match / If-None-Match: * on writes."""
 
-    def copy(self, src: str, dst: str) -> ObjectInfo:
-        """Server-side copy (multipart copy above 5 GiB)."""
+    def copy(self, src: str, dst: str, *, metadata: dict[str, str] | None = None) -> ObjectInfo:
+        """Server-side copy (multipart copy above 5 GiB) with the source's user
+        metadata, or with `metadata` in its place."""
+
+    def replace_metadata(self, key: str, update: dict[str, str], *, etag: str) -> ObjectInfo:
+        """`update` over the user metadata of the object at version `etag`, its bytes
+        untouched (S3: CopyObject onto itself, metadata REPLACE). A new ETag, except
+        where the store changes metadata in place. StoreError(kind='precondition')
+        if the object is no longer that version."""
 
     def delete(self, key: str) -> None:
         """Delete; deleting a missing key is not an error."""

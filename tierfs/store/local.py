@@ -72,6 +72,10 @@ def _read_meta(fd: int) -> dict[str, str]:
         raise
 
 
+def _lower(metadata: dict[str, str] | None) -> dict[str, str]:
+    return {k.lower(): v for k, v in (metadata or {}).items()}
+
+
 def _write_meta(fd: int, metadata: dict[str, str]) -> None:
     for name, value in metadata.items():
         try:
@@ -112,6 +116,9 @@ class LocalStore:
     """`Store` over a directory tree."""
 
     supports_conditional_put = True
+    # Told (key, ETag, user metadata) by each read from offset 0 (S3Store's
+    # GET-response hook; here the metadata is the file's xattrs).
+    on_metadata: Callable[[str, str, dict[str, str]], None] | None = None
 
     def __init__(
         self, root: str, *, observer: RequestObserver | None = None,
@@ -262,7 +269,9 @@ class LocalStore:
             key, st.st_size, etag_of(st), st.st_mtime, {k.lower(): v for k, v in metadata.items()}
         )
 
-    def _make_marker(self, key: str, if_none_match: bool) -> ObjectInfo:
+    def _make_marker(
+        self, key: str, if_none_match: bool, metadata: dict[str, str] | None = None
+    ) -> ObjectInfo:
         path = self._path(key)
         with self._locked():
             if if_none_match and os.path.isdir(path):
@@ -272,8 +281,14 @@ class LocalStore:
                     kind="precondition",
                 )
             os.makedirs(path, exist_ok=True)
+        if metadata:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                _write_meta(fd, metadata)
+            finally:
+                os.close(fd)
         st = os.stat(path)
-        return ObjectInfo(key, 0, etag_of(st), st.st_mtime)
+        return ObjectInfo(key, 0, etag_of(st), st.st_mtime, _lower(metadata))
 
     # -- Store protocol ---------------------------------------------------------
 
@@ -377,6 +392,10 @@ class LocalStore:
                     raise StoreError(
                         f"get '{key}': object changed", errno_=errno.ESTALE, kind="changed"
                     )
+                if start == 0 and self.on_metadata is not None:
+                    meta = _read_meta(fd)
+                    if meta:
+                        self.on_metadata(key, etag_of(st), meta)
                 want = 0 if stat.S_ISDIR(st.st_mode) else min(length, max(0, st.st_size - start))
                 if want == 0:
                     return 0
@@ -432,7 +451,7 @@ class LocalStore:
             if key.endswith("/"):
                 if data:
                     raise _invalid(f"put '{key}': a directory marker cannot hold data")
-                return self._make_marker(key, if_none_match)
+                return self._make_marker(key, if_none_match, metadata)
 
             def fill(fd: int) -> None:
                 view = memoryview(data)
@@ -505,7 +524,7 @@ class LocalStore:
             with suppress(FileNotFoundError):
                 os.unlink(found[1])
 
-    def copy(self, src: str, dst: str) -> ObjectInfo:
+    def copy(self, src: str, dst: str, *, metadata: dict[str, str] | None = None) -> ObjectInfo:
         with self._op("copy", dst):
             if src.endswith("/") or dst.endswith("/"):
                 if not (src.endswith("/") and dst.endswith("/")):
@@ -514,14 +533,31 @@ class LocalStore:
                     )
                 if not os.path.isdir(self._path(src)):
                     raise FileNotFoundError(errno.ENOENT, "no such object")
-                return self._make_marker(dst, False)
+                return self._make_marker(dst, False, metadata)
             fd = os.open(self._path(src), os.O_RDONLY | os.O_CLOEXEC)
             try:
                 if stat.S_ISDIR(os.fstat(fd).st_mode):
                     raise FileNotFoundError(errno.ENOENT, "no such object")
-                return self._publish(
-                    dst, lambda out: _copy_fd(fd, out, None), _read_meta(fd), None, False
-                )
+                meta = _read_meta(fd) if metadata is None else metadata
+                return self._publish(dst, lambda out: _copy_fd(fd, out, None), meta, None, False)
+            finally:
+                os.close(fd)
+
+    def replace_metadata(self, key: str, update: dict[str, str], *, etag: str) -> ObjectInfo:
+        """`update` over the object's user metadata (xattrs, in place: the bytes and
+        the ETag stay), if the object is still the version `etag` names."""
+        with self._op("copy", key), self._locked():
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if stat.S_ISDIR(st.st_mode) != key.endswith("/"):
+                    raise FileNotFoundError(errno.ENOENT, "no such object")
+                if etag_of(st) != etag:
+                    raise StoreError(f"'{key}': changed in the store", errno_=errno.ESTALE,
+                                     kind="precondition")
+                _write_meta(fd, update)
+                return ObjectInfo(key, 0 if key.endswith("/") else st.st_size, etag, st.st_mtime,
+                                  _read_meta(fd))
             finally:
                 os.close(fd)
 

@@ -187,6 +187,10 @@ class S3Store:
     # Server-side copy switches to UploadPartCopy above this size (S3's CopyObject limit).
     multipart_copy_threshold: int = 5 << 30
     copy_part_size: int = 512 << 20
+    # Told (key, ETag, user metadata) of each GET's first response: the read path's
+    # GETs teach the namespace attributes a listing does not carry. Called in the
+    # worker thread making the request: must be cheap and thread-safe.
+    on_metadata: Callable[[str, str, dict[str, str]], None] | None = None
 
     def __init__(
         self,
@@ -550,6 +554,8 @@ class S3Store:
                     raise _ShortBody(f"{size} bytes for a {expect}-byte range")
                 if pinned is None:
                     pinned = _strip_etag(resp["ETag"])
+                if not done and self.on_metadata is not None and resp.get("Metadata"):
+                    self.on_metadata(key, _strip_etag(resp["ETag"]), resp["Metadata"])
                 if target is None:
                     target = alloc(done + size)
                 view = target[done : done + size]
@@ -707,12 +713,32 @@ class S3Store:
                 raise
         return ObjectInfo(key, size, info.etag, info.mtime, _lower(metadata))
 
-    def copy(self, src: str, dst: str) -> ObjectInfo:
-        """Server-side copy pinned to the source's current ETag (412 if it moves meanwhile)."""
+    def copy(self, src: str, dst: str, *, metadata: dict[str, str] | None = None) -> ObjectInfo:
+        """Server-side copy pinned to the source's current ETag (412 if it moves
+        meanwhile); the source's user metadata, or `metadata` in its place."""
         info = self.head(src)
-        source = {"Bucket": self.bucket, "Key": self._full(src)}
+        return self._copy_version(info, dst, metadata)
+
+    def replace_metadata(self, key: str, update: dict[str, str], *, etag: str) -> ObjectInfo:
+        """CopyObject onto itself with metadata REPLACE (multipart copy above the copy
+        limit): `update` over the object's user metadata, bytes untouched. Pinned to
+        `etag`: StoreError(kind='precondition', ESTALE) if the object moved on."""
+        info = self.head(key)
+        if info.etag != etag:
+            raise StoreError(f"'{key}': changed in the store (ETag {info.etag}, not {etag})",
+                             errno_=errno.ESTALE, kind="precondition")
+        return self._copy_version(info, key, {**info.metadata, **update})
+
+    def _copy_version(
+        self, info: ObjectInfo, dst: str, metadata: dict[str, str] | None
+    ) -> ObjectInfo:
+        source = {"Bucket": self.bucket, "Key": self._full(info.key)}
         full = self._full(dst)
+        meta = dict(info.metadata) if metadata is None else _lower(metadata)
         if info.size <= self.multipart_copy_threshold:
+            extra: dict[str, Any] = {}
+            if metadata is not None:
+                extra = {"MetadataDirective": "REPLACE", "Metadata": metadata}
             resp = self._simple(
                 "copy",
                 dst,
@@ -721,6 +747,7 @@ class S3Store:
                 Key=full,
                 CopySource=source,
                 CopySourceIfMatch=_quote_etag(info.etag),
+                **extra,
             )
             result = resp["CopyObjectResult"]
             mtime = (
@@ -728,9 +755,7 @@ class S3Store:
                 if isinstance(result.get("LastModified"), datetime)
                 else self._response_time(resp)
             )
-            return ObjectInfo(
-                dst, info.size, _strip_etag(result["ETag"]), mtime, dict(info.metadata)
-            )
+            return ObjectInfo(dst, info.size, _strip_etag(result["ETag"]), mtime, meta)
 
         part = part_size_for(info.size, self.copy_part_size)
         count = -(-info.size // part)
@@ -758,7 +783,7 @@ class S3Store:
             self._client.create_multipart_upload,
             Bucket=self.bucket,
             Key=full,
-            Metadata=info.metadata,
+            Metadata=meta,
         )
         upload_id: str = created["UploadId"]
         try:
@@ -775,13 +800,7 @@ class S3Store:
         except BaseException:
             self.abort_upload(dst, upload_id)
             raise
-        return ObjectInfo(
-            dst,
-            info.size,
-            _strip_etag(resp["ETag"]),
-            self._response_time(resp),
-            dict(info.metadata),
-        )
+        return ObjectInfo(dst, info.size, _strip_etag(resp["ETag"]), self._response_time(resp), meta)
 
     def delete(self, key: str) -> None:
         try:

@@ -7,8 +7,10 @@ import logging
 import os
 import time
 from dataclasses import asdict
+from functools import partial
 
 from tierfs.config import FLUSH_STALL
+from tierfs.posix import Attrs, Known, to_metadata
 from tierfs.store.base import UNREACHABLE_KINDS, ObjectInfo, Store, StoreError
 from tierfs.writeback.barrier import Barrier, FlushOutcome, Progress
 from tierfs.writeback.journal import Condition, PendingFile
@@ -34,12 +36,16 @@ class WriteBack:
     # -- sessions -----------------------------------------------------------------------
 
     async def open(
-        self, key: str, etag: str, size: int, mtime: float, *, flags: int, inode: int
+        self, key: str, etag: str, size: int, mtime: float, *, flags: int, inode: int,
+        attrs: Attrs | None = None,
     ) -> WriteSession:
-        """A writable open of an existing file (O_TRUNC truncates it)."""
+        """A writable open of an existing file (O_TRUNC truncates it); `attrs`, its
+        POSIX attributes if known, go with its next upload."""
         settings = self.ctx.policy.settings(key)
         entry = await self.ctx.open_entry(key, etag, size, mtime)
         pf = self.journal.track(key, entry.size, entry.mtime)
+        if pf.attrs is None:
+            pf.attrs = attrs
         session = WriteSession(
             self.ctx, pf, entry, inode=inode, keep_cache=settings.keep_cache,
             direct=settings.direct_writes and flags & os.O_ACCMODE == os.O_WRONLY,
@@ -54,11 +60,12 @@ class WriteBack:
                 raise
         return session
 
-    async def create(self, key: str, *, flags: int, inode: int) -> WriteSession:
+    async def create(self, key: str, *, flags: int, inode: int, attrs: Attrs) -> WriteSession:
         """A new, empty file (or one truncated to nothing by O_CREAT on a stale name)."""
         settings = self.ctx.policy.settings(key)
-        now = time.time()
+        now = attrs.mtime_ns / 1e9
         pf = self.journal.track(key, 0, now)
+        pf.attrs = attrs
         async with pf.lock:
             await self.uploader.stop(pf)
             entry = await self.ctx.open_entry(key, "", 0, now)
@@ -80,19 +87,47 @@ class WriteBack:
         return session
 
     async def truncate(self, key: str, etag: str, size: int, mtime: float, *, to: int,
-                       inode: int) -> None:
+                       inode: int, attrs: Attrs | None = None) -> None:
         """truncate(2) by path: an open, a truncate and a close in one."""
-        session = await self.open(key, etag, size, mtime, flags=os.O_WRONLY, inode=inode)
+        session = await self.open(key, etag, size, mtime, flags=os.O_WRONLY, inode=inode,
+                                  attrs=attrs)
         try:
             await session.truncate(to)
             await session.flush()
         finally:
             await session.release()
 
-    def set_mtime(self, key: str, mtime: float) -> None:
+    async def set_attrs(self, key: str, etag: str, attrs: Attrs) -> ObjectInfo | None:
+        """chmod, chown, utimens. A file with bytes here (or open for writing) keeps
+        them in its journal record: its upload stores them, no request now. A stored
+        object gets them by CopyObject onto itself (its new version, returned; the
+        cached bytes stay valid under the new ETag); a directory on its marker."""
         pf = self.journal.get(key)
         if pf is not None:
-            pf.mtime = mtime
+            pf.attrs = attrs
+            pf.mtime = attrs.mtime_ns / 1e9
+            if pf.local:
+                return None
+        if key.endswith("/"):
+            return await self.workers.meta(partial(
+                self.store.put_bytes, key, b"", metadata=to_metadata(attrs)))
+        if not etag:  # open for writing, nothing written yet, never stored: the journal has it
+            return None
+        info = await self.workers.meta(partial(
+            self.store.replace_metadata, key, to_metadata(attrs), etag=etag))
+        if info.etag != etag:
+            await self.workers.disk(self._reetag_cached, key, info)
+        return info
+
+    async def put_special(self, key: str, body: bytes, attrs: Attrs) -> ObjectInfo:
+        """A symlink (body: its target), FIFO or socket: an object typed by its
+        metadata, stored at once (a pending version of the name is void)."""
+        pf = self.journal.get(key)
+        if pf is not None:
+            await self._supersede(pf)
+        await self.workers.disk(self.cache.remove, key)
+        return await self.workers.meta(partial(
+            self.store.put_bytes, key, body, metadata=to_metadata(attrs)))
 
     # -- namespace changes that reach the store ----------------------------------------------
 
@@ -116,14 +151,15 @@ class WriteBack:
         await self.workers.disk(self.cache.remove, key)
         await self.workers.meta(self.store.delete, key)
 
-    async def make_dir(self, prefix: str) -> None:
+    async def make_dir(self, prefix: str, attrs: Attrs) -> None:
         """mkdir: an empty directory persists as a zero-byte `prefix/` marker. While
         the store is away (degraded, or the PUT says so) the marker is journaled
         like a sealed write-back file and lands with the uploads: a training job
         can still make `step-N/` and write its checkpoint into it."""
         if not self.ctx.health.degraded:
             try:
-                await self.workers.meta(self.store.put_bytes, prefix, b"")
+                await self.workers.meta(partial(
+                    self.store.put_bytes, prefix, b"", metadata=to_metadata(attrs)))
                 return
             except StoreError as exc:
                 if exc.kind not in UNREACHABLE_KINDS:
@@ -282,14 +318,9 @@ class WriteBack:
             pf.unlinked = bool(pf.sessions)
             self.journal.leave(pf, "replaced")
 
-    def _rekey_cached(self, old: str, new: str, info: ObjectInfo) -> None:
-        """Cached bytes of a server-side copy stay valid: move them under the copy's ETag.
-        What the cache held for `new` is void either way: a sealed record left there
-        by a cancelled upload would otherwise be uploaded again over the copy."""
-        if not self.cache.rename(old, new):
-            self.cache.remove(new)
-            return
-        entry = self.cache.open_existing(new)
+    def _reetag_cached(self, key: str, info: ObjectInfo) -> None:
+        """The object's bytes did not change, only its ETag (new metadata)."""
+        entry = self.cache.open_existing(key)
         if entry is None:
             return
         try:
@@ -297,6 +328,15 @@ class WriteBack:
                 entry.set_state("clean", etag=info.etag, mtime=info.mtime)
         finally:
             self.cache.release(entry)
+
+    def _rekey_cached(self, old: str, new: str, info: ObjectInfo) -> None:
+        """Cached bytes of a server-side copy stay valid: move them under the copy's ETag.
+        What the cache held for `new` is void either way: a sealed record left there
+        by a cancelled upload would otherwise be uploaded again over the copy."""
+        if not self.cache.rename(old, new):
+            self.cache.remove(new)
+            return
+        self._reetag_cached(new, info)
 
     async def _walk(self, prefix: str) -> tuple[list[str], list[str]]:
         """Every object key and every sub-prefix below `prefix`, from the store."""
@@ -330,6 +370,9 @@ class WriteBack:
             if obj.state == "sealed" and (mode == "writeback" or obj.key.endswith("/")):
                 pf = self.journal.track(obj.key, obj.size, obj.mtime)
                 pf.local, pf.sealed_at = True, time.monotonic()
+                known = Known.unpack((await self.workers.disk(
+                    self.cache.attrs_of, [obj.key])).get(obj.key, b""))
+                pf.attrs = known.attrs if known is not None and not known.etag else None
                 log.info("resuming upload of %r (%d bytes) sealed before a restart", obj.key, obj.size)
                 self.uploader.kick(pf)
             elif obj.state == "sealed" and mode == "publish" and rec is not None:

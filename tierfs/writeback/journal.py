@@ -18,6 +18,8 @@ from typing import NamedTuple, Protocol
 
 import trio
 
+from tierfs.posix import Attrs
+
 
 class Writer(Protocol):
     """What the journal knows of a session writing a file (session.py)."""
@@ -39,6 +41,9 @@ class PendingFile:
         self.key = key
         self.size = size
         self.mtime = mtime
+        # POSIX attributes to store with the object (None: unknown, only the mtime
+        # is stored); their mtime is stale once `mtime` moved on (a later write).
+        self.attrs: Attrs | None = None
         self.local = False  # holds bytes the store does not have (written, not landed)
         self.sealed_at: float | None = None  # monotonic; set while journaled, upload due
         self.version = 0  # bumped whenever a sealed file is written again

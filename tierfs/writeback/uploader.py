@@ -35,6 +35,7 @@ from tierfs.budget import BufferPool
 from tierfs.cache import Cache, Entry
 from tierfs.config import UPLOAD_RETRY_CAP, UPLOAD_VERIFY_ATTEMPTS
 from tierfs.health import StoreHealth
+from tierfs.posix import Attrs, upload_metadata
 from tierfs.store.base import PERMANENT_KINDS, ObjectInfo, Store, StoreError, part_size_for
 from tierfs.workers import Workers
 from tierfs.writeback.journal import Condition, Journal, PendingFile
@@ -43,7 +44,6 @@ from tierfs.writeback.quarantine import REFUSED, Quarantine
 log = logging.getLogger(__name__)
 
 DIGEST_META = "tierfs-xxh3tree"  # xxh3-128 over per-1 MiB-chunk xxh3-64 digests
-MTIME_META = "tierfs-mtime"
 
 
 class NotVerified(Exception):
@@ -64,7 +64,7 @@ class Uploader:
         part_size: int,
         parallel_parts: int,
         max_files: int,
-        on_landed: Callable[[str, ObjectInfo], None],
+        on_landed: Callable[[str, ObjectInfo], Awaitable[None]],
         on_dropped: Callable[[str], None],
         on_conflict: Callable[[PendingFile, Entry, StoreError], Awaitable[None]],
         observe: Callable[[str, int], None],
@@ -244,6 +244,7 @@ class Uploader:
         *,
         key: str | None = None,
         mtime: float | None = None,
+        attrs: Attrs | None = None,
         if_match: str | None = None,
         if_none_match: bool = False,
         mark_clean: bool = True,
@@ -260,7 +261,8 @@ class Uploader:
         # which keep no user metadata on it: its size is its proof.
         meta = {} if key.endswith("/") or digest is None else {
             DIGEST_META: digest,
-            MTIME_META: f"{pf.mtime if pf is not None else mtime or 0.0:.9f}",
+            **upload_metadata(pf.attrs if pf is not None else attrs,
+                              pf.mtime if pf is not None else mtime or 0.0),
         }
         cond = Condition(if_match, if_none_match)
         if pf is not None:
@@ -281,7 +283,7 @@ class Uploader:
             # (kept). The other order let an open pair the old ETag with a clean
             # record under the new one: dropped as replaced, refetched with the
             # old ETag, 412 (seen in test_write_model once uploads got fewer threads).
-            self.on_landed(key, info)
+            await self.on_landed(key, info)
             await self.workers.disk(
                 partial(entry.set_state, "clean", etag=info.etag, mtime=info.mtime))
         return info
