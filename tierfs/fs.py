@@ -25,6 +25,7 @@ from tierfs.config import DEGRADED_ATTR_TTL, LOG_EVERY
 from tierfs.metrics import Metrics
 from tierfs.namespace import Namespace, Node
 from tierfs.read.handles import ReadHandle, ReadPath
+from tierfs.read.modes import Opened, OpenModes
 from tierfs.store.base import StoreError
 from tierfs.tree import TreeChanges
 from tierfs.workers import Workers
@@ -72,13 +73,16 @@ def _name(name: bytes) -> str:
 
 
 class TierFS(pyfuse3.Operations):
-    # The kernel coalesces small writes into large requests and keeps written
-    # pages (DESIGN §9). Write-only opens of a direct_writes class (checkpoints)
-    # bypass it: for 1 MiB writes the page cache's write-back is the slower path.
-    enable_writeback_cache = True
+    # Without passthrough, the kernel's write-back cache: it coalesces small
+    # writes into large requests and keeps written pages (DESIGN §9). Write-only
+    # opens of a direct_writes class (checkpoints) bypass it. With passthrough
+    # (which excludes it) both are off; see README "FUSE passthrough".
+    # getxattr stays unimplemented (ENOSYS): any answer makes every write(2)
+    # on a passthrough file cost a GETXATTR round trip.
 
     def __init__(self, namespace: Namespace, reads: ReadPath, writeback: WriteBack,
-                 tree: TreeChanges, metrics: Metrics, workers: Workers, cache_root: Path) -> None:
+                 tree: TreeChanges, metrics: Metrics, workers: Workers, cache_root: Path,
+                 modes: OpenModes) -> None:
         super().__init__()
         self.ns = namespace
         self.reads = reads
@@ -87,7 +91,11 @@ class TierFS(pyfuse3.Operations):
         self.metrics = metrics
         self.workers = workers
         self.cache_root = cache_root
+        self.modes = modes
+        self.enable_passthrough = modes.mode.enabled
+        self.enable_writeback_cache = not modes.mode.enabled
         self._handles: dict[int, ReadHandle | WriteSession] = {}
+        self._modes: dict[int, Opened] = {}
         self._dirs: dict[int, list[tuple[str, Node]]] = {}
         self._next_fh = 1
         self.uid, self.gid = os.getuid(), os.getgid()
@@ -222,20 +230,30 @@ class TierFS(pyfuse3.Operations):
             await self.ns.revalidate(node)
         h: ReadHandle | WriteSession
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC):
-            h = await self.wb.open(node.path, node.etag, node.size, node.mtime, flags=flags,
-                                   inode=node.inode)
+            opened = self.modes.open_write(inode)
+            try:
+                h = await self.wb.open(node.path, node.etag, node.size, node.mtime,
+                                       flags=flags, inode=node.inode)
+            except BaseException:
+                self.modes.release(opened)
+                raise
         else:
             h = await self.reads.open(node.path, node.etag, node.size, node.mtime, node.settings)
+            opened = self.modes.open_read(inode, h.entry, h.settings)
         self.metrics.meta_op("open")
-        return pyfuse3.FileInfo(fh=self._add(h), keep_cache=h.keep_cache, direct_io=h.direct)
+        return self._info(h, opened)
 
     @fuse_errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         node, h = await self.tree.create(parent_inode, _name(name), flags)
         self.metrics.meta_op("create")
-        info = pyfuse3.FileInfo(fh=self._add(h), keep_cache=h.keep_cache, direct_io=h.direct)
-        return info, self.attrs(node)
+        try:
+            opened = self.modes.open_write(node.inode)
+        except OSError:
+            await h.release()
+            raise
+        return self._info(h, opened), self.attrs(node)
 
     @fuse_errors  # pyfuse3 replies with any buffer (a view of a pooled one), not only bytes
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
@@ -263,6 +281,9 @@ class TierFS(pyfuse3.Operations):
     @fuse_errors
     async def release(self, fh: int) -> None:
         h = self._handles.pop(fh, None)
+        opened = self._modes.pop(fh, None)
+        if opened is not None:
+            self.modes.release(opened)
         if h is not None:
             await h.release()
 
@@ -289,10 +310,14 @@ class TierFS(pyfuse3.Operations):
         log.warning(fmt + more, *args)
         self._logged[kind] = (now, 0)
 
-    def _add(self, h: ReadHandle | WriteSession) -> int:
+    def _info(self, h: ReadHandle | WriteSession, opened: Opened) -> pyfuse3.FileInfo:
         fh = self._new_fh()
         self._handles[fh] = h
-        return fh
+        self._modes[fh] = opened
+        info = pyfuse3.FileInfo(fh=fh, keep_cache=h.keep_cache, direct_io=h.direct)
+        if opened.backing_id:  # only the passthrough build of pyfuse3 has the field
+            info.backing_id = opened.backing_id
+        return info
 
     def _new_fh(self) -> int:
         fh = self._next_fh
