@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import itertools
 import logging
 import os
 import stat
@@ -24,6 +25,7 @@ import pyfuse3
 from tierfs.config import DEGRADED_ATTR_TTL, LOG_EVERY
 from tierfs.metrics import Metrics
 from tierfs.namespace import Namespace, Node
+from tierfs.passthrough import file_info
 from tierfs.read.handles import ReadHandle, ReadPath
 from tierfs.read.modes import Opened, OpenModes
 from tierfs.store.base import StoreError
@@ -73,12 +75,8 @@ def _name(name: bytes) -> str:
 
 
 class TierFS(pyfuse3.Operations):
-    # Without passthrough, the kernel's write-back cache: it coalesces small
-    # writes into large requests and keeps written pages (DESIGN §9). Write-only
-    # opens of a direct_writes class (checkpoints) bypass it. With passthrough
-    # (which excludes it) both are off; see README "FUSE passthrough".
-    # getxattr stays unimplemented (ENOSYS): any answer makes every write(2)
-    # on a passthrough file cost a GETXATTR round trip.
+    # The kernel's write-back cache unless passthrough is on (DESIGN §9). getxattr stays
+    # unimplemented (ENOSYS): any answer costs each passthrough write(2) a GETXATTR.
 
     def __init__(self, namespace: Namespace, reads: ReadPath, writeback: WriteBack,
                  tree: TreeChanges, metrics: Metrics, workers: Workers, cache_root: Path,
@@ -92,12 +90,10 @@ class TierFS(pyfuse3.Operations):
         self.workers = workers
         self.cache_root = cache_root
         self.modes = modes
-        self.enable_passthrough = modes.mode.enabled
-        self.enable_writeback_cache = not modes.mode.enabled
+        self.enable_passthrough, self.enable_writeback_cache = modes.mode.enabled, not modes.mode.enabled
         self._handles: dict[int, ReadHandle | WriteSession] = {}
-        self._modes: dict[int, Opened] = {}
         self._dirs: dict[int, list[tuple[str, Node]]] = {}
-        self._next_fh = 1
+        self._fhs = itertools.count(1)
         self.uid, self.gid = os.getuid(), os.getgid()
         self._logged: dict[str, tuple[float, int]] = {}
 
@@ -164,7 +160,7 @@ class TierFS(pyfuse3.Operations):
     @fuse_errors
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         self.metrics.meta_op("readdir")
-        fh = self._new_fh()
+        fh = next(self._fhs)
         self._dirs[fh] = await self.ns.readdir(inode)
         return fh
 
@@ -230,13 +226,8 @@ class TierFS(pyfuse3.Operations):
             await self.ns.revalidate(node)
         h: ReadHandle | WriteSession
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC):
-            opened = self.modes.open_write(inode)
-            try:
-                h = await self.wb.open(node.path, node.etag, node.size, node.mtime,
-                                       flags=flags, inode=node.inode)
-            except BaseException:
-                self.modes.release(opened)
-                raise
+            h, opened = await self.modes.writable(inode, functools.partial(
+                self.wb.open, node.path, node.etag, node.size, node.mtime, flags=flags, inode=inode))
         else:
             h = await self.reads.open(node.path, node.etag, node.size, node.mtime, node.settings)
             opened = self.modes.open_read(inode, h.entry, h.settings)
@@ -248,12 +239,7 @@ class TierFS(pyfuse3.Operations):
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         node, h = await self.tree.create(parent_inode, _name(name), flags)
         self.metrics.meta_op("create")
-        try:
-            opened = self.modes.open_write(node.inode)
-        except OSError:
-            await h.release()
-            raise
-        return self._info(h, opened), self.attrs(node)
+        return self._info(h, await self.modes.created(node.inode, h)), self.attrs(node)
 
     @fuse_errors  # pyfuse3 replies with any buffer (a view of a pooled one), not only bytes
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
@@ -281,9 +267,7 @@ class TierFS(pyfuse3.Operations):
     @fuse_errors
     async def release(self, fh: int) -> None:
         h = self._handles.pop(fh, None)
-        opened = self._modes.pop(fh, None)
-        if opened is not None:
-            self.modes.release(opened)
+        self.modes.release(fh)
         if h is not None:
             await h.release()
 
@@ -311,15 +295,6 @@ class TierFS(pyfuse3.Operations):
         self._logged[kind] = (now, 0)
 
     def _info(self, h: ReadHandle | WriteSession, opened: Opened) -> pyfuse3.FileInfo:
-        fh = self._new_fh()
+        fh = next(self._fhs)
         self._handles[fh] = h
-        self._modes[fh] = opened
-        info = pyfuse3.FileInfo(fh=fh, keep_cache=h.keep_cache, direct_io=h.direct)
-        if opened.backing_id:  # only the passthrough build of pyfuse3 has the field
-            info.backing_id = opened.backing_id
-        return info
-
-    def _new_fh(self) -> int:
-        fh = self._next_fh
-        self._next_fh += 1
-        return fh
+        return file_info(fh, h.keep_cache, h.direct, self.modes.bind(fh, opened))

@@ -138,6 +138,15 @@ def confirm(mode: Mode, cache_dir: Path) -> Mode:
     return mode
 
 
+def file_info(fh: int, keep_cache: bool, direct_io: bool, backing_id: int) -> pyfuse3.FileInfo:
+    """An open's reply; `backing_id` > 0 makes it passthrough (only the
+    passthrough build of pyfuse3 has the field)."""
+    info = pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=direct_io)
+    if backing_id:
+        info.backing_id = backing_id
+    return info
+
+
 def register(fd: int) -> int:
     """Register an open file as a backing file: its backing id (> 0). OSError
     as from `pyfuse3.passthrough_open` (ENOTSUP with a stock pyfuse3)."""

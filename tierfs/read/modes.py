@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import trio
 
@@ -44,6 +45,13 @@ log = logging.getLogger(__name__)
 # handles of an older version counts as (passthrough, older_version), a
 # writable open refused beside passthrough handles as (refused, writable).
 PASSTHROUGH = "passthrough"
+
+
+H = TypeVar("H")
+
+
+class Closable(Protocol):
+    async def release(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,7 @@ class OpenModes:
         self.nursery = nursery
         self._count = count  # (mode, why) of each open, for metrics
         self.backings = InodeBackings()
+        self._handles: dict[int, Opened] = {}  # file handle -> its mode
         self._verifying: set[int] = set()  # id() of entries being verified
         self._verify_slot = trio.CapacityLimiter(1)
 
@@ -116,7 +125,35 @@ class OpenModes:
         self._count("daemon", "writable" if self.mode.enabled else "off")
         return Opened(inode, 0)
 
-    def release(self, opened: Opened) -> None:
+    async def writable(self, inode: int, open_: Callable[[], Awaitable[H]]) -> tuple[H, Opened]:
+        """`open_write`, then the write path's open (`open_`)."""
+        opened = self.open_write(inode)
+        try:
+            return await open_(), opened
+        except BaseException:
+            self._drop(opened)
+            raise
+
+    async def created(self, inode: int, handle: Closable) -> Opened:
+        """`open_write` of a file `handle` was just created for (released if refused)."""
+        try:
+            return self.open_write(inode)
+        except OSError:
+            await handle.release()
+            raise
+
+    def bind(self, fh: int, opened: Opened) -> int:
+        """Remember the mode of file handle `fh`; its backing id (0: daemon path)."""
+        self._handles[fh] = opened
+        return opened.backing_id
+
+    def release(self, fh: int) -> None:
+        """The kernel released `fh`: its place in the inode's mode goes."""
+        opened = self._handles.pop(fh, None)
+        if opened is not None:
+            self._drop(opened)
+
+    def _drop(self, opened: Opened) -> None:
         if opened.pinned is not None:
             opened.pinned[0].unpin_all(opened.pinned[1])
         self.backings.release(opened.inode)
