@@ -103,7 +103,7 @@ def probe(cache_dir: Path, wanted: bool = True) -> Mode:
     `enabled` here means "ask the kernel for it" (`Operations.enable_passthrough`);
     `confirm` says after init whether it was granted and registration works."""
     if not wanted:
-        return Mode(False, "turned off (--no-passthrough)")
+        return Mode(False, "turned off: --no-passthrough or [read] passthrough = false")
     release = platform.release()
     why = kernel_reason(release) or pyfuse3_reason()
     if why:

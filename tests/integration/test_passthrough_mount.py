@@ -255,9 +255,13 @@ def test_no_passthrough_serves_every_open_on_the_daemon_path(
 ) -> None:
     m = mount_factory(f"s3://{bucket}", "--no-passthrough")
     st = m.status()["passthrough"]
-    assert not st["enabled"] and st["reason"] == "turned off (--no-passthrough)"
+    assert not st["enabled"]
+    assert st["reason"] == "turned off: --no-passthrough or [read] passthrough = false"
     path = m.mountpoint / "data/shard.tar"
     for _ in range(2):
         assert read_all(path) == obj
         all_released(m)
     assert passthrough_opens(m) == 0 and opens(m)["daemon"]["off"] == 2
+    said = [line for line in (m.cache_dir / "tierfs.log").read_text().splitlines()
+            if "passthrough" in line]
+    assert len(said) == 1 and said[0].endswith(f"FUSE passthrough: off ({st['reason']})")
