@@ -33,25 +33,12 @@ from common import (
     report,
     write_random_file,
 )
+from randread import IO, preads
 
 from tests.support.mount import TierfsMount
 
 KEY = "warm/shard-000.tar"
-IO = 4096
 READS = "tierfs_read_latency_seconds_count"
-
-
-def preads(path: os.PathLike[str] | str, offsets: list[int]) -> float:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        t = time.perf_counter()
-        for off in offsets:
-            if len(os.pread(fd, IO, off)) != IO:
-                raise RuntimeError(f"short read at {off}")
-        return time.perf_counter() - t
-    finally:
-        os.close(fd)
 
 
 def released(m: TierfsMount, timeout: float = 30) -> None:
@@ -99,7 +86,7 @@ def main() -> None:
                 if m is not None:
                     released(m)
                 drop_caches()
-                t[f"{name}_4k"].append(preads(path, offsets))
+                t[f"{name}_4k"].append(preads(path, offsets, fadvise=True))
                 if m is not None:
                     released(m)
             load.append(os.getloadavg()[0])
