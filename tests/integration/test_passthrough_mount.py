@@ -263,5 +263,5 @@ def test_no_passthrough_serves_every_open_on_the_daemon_path(
         all_released(m)
     assert passthrough_opens(m) == 0 and opens(m)["daemon"]["off"] == 2
     said = [line for line in (m.cache_dir / "tierfs.log").read_text().splitlines()
-            if "passthrough" in line]
+            if "FUSE passthrough" in line]
     assert len(said) == 1 and said[0].endswith(f"FUSE passthrough: off ({st['reason']})")
