@@ -65,8 +65,7 @@ demo: setup
 # kernel write-back cache is on): the path of nodes without root, a 6.9 kernel
 # or a passthrough build. (With PASSTHROUGH=0 the first pass is that path already.)
 NO_PASSTHROUGH_TESTS ?= tests/integration/test_read_mount.py tests/integration/test_readpath.py \
-	tests/integration/test_write_mount.py tests/integration/test_consistency.py \
-	tests/integration/test_passthrough_mount.py
+	tests/integration/test_write_mount.py tests/integration/test_passthrough_mount.py
 test: setup ml-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	TIERFS_TEST_PASSTHROUGH=0 $(PY) -m pytest -q $(NO_PASSTHROUGH_TESTS)
