@@ -77,6 +77,7 @@ bench: setup ml-deps $(if $(PEERS),peer-deps)
 	$(PY) bench/herd.py $(BENCH_ARGS)
 	$(PY) bench/ckptwrite.py $(BENCH_ARGS)
 	$(PY) bench/modelload.py --size 1G --runs $(BENCH_RUNS) $(if $(PEERS),--peers)
+	$(PY) bench/memory.py --size $(BENCH_SIZE) --runs 1
 	$(PY) bench/mlworkloads.py --size 1G --runs $(BENCH_RUNS) $(if $(PEERS),--peers)
 
 # After deps: s3fs depends on `fuse`, which fuse3 provides; installed first, fuse3 stays.
@@ -85,6 +86,8 @@ peer-deps: deps
 
 lint: setup
 	$(VENV)/bin/ruff check tierfs tests bench scripts
+	$(VENV)/bin/mypy
+	$(PY) scripts/import_graph.py tierfs
 
 install: deps
 	python3 -m venv $(PREFIX)

@@ -139,6 +139,14 @@ class Bench:
         self.mounts.append(m)
         return m.start()
 
+    def flush(self, m: TierfsMount) -> None:
+        """Until every upload of the mount is in the store."""
+        from tests.support.mount import run_tierfs
+
+        res = run_tierfs("flush", str(m.mountpoint), env=self.env, timeout=1800)
+        if res.returncode != 0:
+            raise RuntimeError(f"flush failed: {res.stderr.strip()}")
+
     def unmount(self, m: TierfsMount, wipe: bool = True) -> None:
         m.umount()
         if is_mounted(m.mountpoint):
@@ -312,6 +320,38 @@ def py_spy(pid: int, out: Path, enabled: bool) -> Iterator[None]:
 
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class RssSampler:
+    """The peak VmRSS of a process, sampled every 50 ms while in the block."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, rss_bytes(self.pid))
+            except OSError:
+                return
+            time.sleep(0.05)
+
+    def __enter__(self) -> RssSampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
 
 
 def report(rows: list[tuple[str, str]]) -> None:

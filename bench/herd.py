@@ -15,43 +15,22 @@ Usage: python bench/herd.py [--size 2G] [--runs 3] [--procs 8] [--peers]
 from __future__ import annotations
 
 import multiprocessing as mp
-import threading
 import time
 
 import peers
-from common import Bench, MiB, drop_caches, median, parse_args, read_seq, report, write_random_file
+from common import (
+    Bench,
+    MiB,
+    RssSampler,
+    drop_caches,
+    median,
+    parse_args,
+    read_seq,
+    report,
+    write_random_file,
+)
 
 KEY = "herd/shard-000.tar"
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class RssSampler:
-    def __init__(self, pid: int) -> None:
-        self.pid, self.peak, self._stop = pid, 0, threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.peak = max(self.peak, rss_bytes(self.pid))
-            except OSError:
-                return
-            time.sleep(0.05)
-
-    def __enter__(self) -> RssSampler:
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join()
 
 
 def _reader(path: str, start: mp.Event, out: mp.Queue) -> None:

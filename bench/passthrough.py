@@ -37,7 +37,7 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from tierfs.daemon import set_kernel_readahead
+from tierfs.kernel import set_kernel_readahead
 from tierfs.passthrough import InodeBackings
 
 

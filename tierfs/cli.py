@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tierfs.config import (
+    FLUSH_STALL,
     ConfigError,
     ConfigFileErrors,
     MountConfig,
@@ -37,6 +38,7 @@ mounts: status, flush, warmup, cache, policy, config check.
 
 EXIT_USAGE = 2
 START_TIMEOUT = 30.0  # how long `tierfs mount` waits for the daemon to report
+PROGRESS_LINE_EVERY = 3.0  # seconds between "waiting for" lines when not on a terminal
 
 
 class CliError(Exception):
@@ -275,7 +277,8 @@ def cmd_umount(args: argparse.Namespace) -> int:
             if args.no_flush:
                 reply = request(sock, "unmount", timeout=30.0, flush=False, lazy=args.lazy)
             else:
-                reply = with_upload_progress(sock, "", "unmount", flush=True, lazy=args.lazy)
+                reply = wait_for_uploads(sock, "unmount", args.timeout, flush=True,
+                                         lazy=args.lazy)
         except ControlUnreachable as exc:
             print(f"tierfs: warning: {exc}; unmounting without a flush", file=sys.stderr)
         except ControlError as exc:
@@ -284,6 +287,11 @@ def cmd_umount(args: argparse.Namespace) -> int:
         else:
             if reply.get("busy"):
                 return die(busy)
+            if not reply.get("stopped", True):
+                report_flush(reply["flush"], mp)
+                return die(f"{mp} stays mounted: not everything is uploaded. --no-flush "
+                           "unmounts anyway (pending uploads stay journaled and resume at "
+                           "the next mount; refused ones stay in quarantine)")
             _wait_exit(int(reply["pid"]), timeout=60.0)
             if mounted_fs(mp) is None:
                 return 0
@@ -313,48 +321,112 @@ def flush_prefix(mountpoint: Path, path: str) -> str:
 
 def cmd_flush(args: argparse.Namespace) -> int:
     mp = Path(os.path.abspath(args.mountpoint))
-    prefix = flush_prefix(mp, args.path) if args.path else ""
-    with_upload_progress(find_socket(mp), prefix, "flush", prefix=prefix)
-    return 0
+    reply = wait_for_uploads(find_socket(mp), "flush", args.timeout,
+                             prefix=flush_prefix(mp, args.path) if args.path else "")
+    return 0 if report_flush(reply["flush"], mp) else 1
 
 
-def with_upload_progress(sock: str, watch: str, op: str, **kw: Any) -> dict[str, Any]:
-    """Run a control request that waits for uploads; draw a progress bar meanwhile
-    when stderr is a terminal."""
-    import threading
+def report_flush(outcome: dict[str, Any], mp: Path) -> bool:
+    """Say what a flush could not do; whether it succeeded."""
+    for f in outcome.get("failed", []):
+        print(f"tierfs: not uploaded: {f['key']}: {f['reason']} (kept in quarantine: "
+              f"tierfs pending retry|discard {mp} {f['key']})", file=sys.stderr)
+    for key in outcome.get("still_open", []):
+        print(f"tierfs: warning: still open for writing, not flushed: {key}", file=sys.stderr)
+    if outcome.get("gave_up"):
+        waiting = outcome.get("waiting", [])
+        print(f"tierfs: gave up: nothing uploaded for a while; still waiting for "
+              f"{_waiting_text(waiting)}", file=sys.stderr)
+    return bool(outcome.get("ok"))
 
-    result: dict[str, Any] = {}
-    failure: list[BaseException] = []
 
-    def call() -> None:
-        try:
-            result.update(request(sock, op, timeout=None, **kw))
-        except BaseException as exc:  # re-raised in the caller's thread
-            failure.append(exc)
+def _waiting_text(waiting: list[dict[str, Any]], most: int = 5) -> str:
+    def one(w: dict[str, Any]) -> str:
+        why = f", {w['error']}" if w.get("error") else ""
+        return f"{w['key']} ({human_bytes(w['uploaded'])} of {human_bytes(w['size'])} sent{why})"
 
-    worker = threading.Thread(target=call, daemon=True)
-    worker.start()
-    if sys.stderr.isatty():
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TimeRemainingColumn,
-            TransferSpeedColumn,
-        )
+    names = ", ".join(one(w) for w in waiting[:most])
+    more = f" and {len(waiting) - most} more" if len(waiting) > most else ""
+    return f"{len(waiting)} upload(s): {names}{more}"
 
-        with Progress("uploading", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                      TimeRemainingColumn(), transient=True) as bar:
-            task = bar.add_task("upload", total=None)
-            while worker.is_alive():
-                with contextlib.suppress(ControlError):
-                    p = request(sock, "pending", timeout=5.0, prefix=watch)["pending"]
-                    bar.update(task, total=p["bytes"] or None, completed=p["uploaded_bytes"])
-                worker.join(0.25)
-    worker.join()
-    if failure:
-        raise failure[0]
-    return result
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def wait_for_uploads(sock: str, op: str, stall: float, **kw: Any) -> dict[str, Any]:
+    """Run a control request that waits for uploads (flush, unmount), giving up once
+    nothing moved for `stall` seconds; say what it waits for meanwhile: a progress
+    bar on a terminal, else a line every few seconds."""
+    fancy = sys.stderr.isatty()
+    last = [0.0]
+
+    def plain(p: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if now - last[0] >= PROGRESS_LINE_EVERY and p.get("waiting"):
+            last[0] = now
+            print(f"tierfs: waiting for {_waiting_text(p['waiting'])}", file=sys.stderr,
+                  flush=True)
+
+    # The daemon reports at least every second while it waits.
+    timeout = stall + 30.0
+    if not fancy:
+        return request(sock, op, timeout=timeout, on_progress=plain, stall=stall, **kw)
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn(), transient=True) as bar:
+        task = bar.add_task("uploading", total=None)
+
+        def draw(p: dict[str, Any]) -> None:
+            waiting = p.get("waiting", [])
+            first = f": {waiting[0]['key']}" if waiting else ""
+            bar.update(task, total=sum(w["size"] for w in waiting) or None,
+                       completed=sum(w["uploaded"] for w in waiting),
+                       description=f"waiting for {len(waiting)} upload(s){first}")
+
+        return request(sock, op, timeout=timeout, on_progress=draw, stall=stall, **kw)
+
+
+def cmd_pending(args: argparse.Namespace) -> int:
+    mp = Path(os.path.abspath(args.mountpoint))
+    sock = find_socket(mp)
+    if args.action == "list":
+        reply = request(sock, "pending_list",
+                        prefix=flush_prefix(mp, args.paths[0]) if args.paths else "")
+        reply.pop("ok", None)
+        if args.json:
+            print(json.dumps(reply, indent=2))
+            return 0
+        for f in reply["files"]:
+            why = f"  ({f['error']})" if f.get("error") else ""
+            print(f"{f['state']:<9} {human_bytes(f['size']):>10}  {f['key']}{why}")
+        for q in reply["quarantined"]:
+            print(f"{'kept':<9} {human_bytes(q['size']):>10}  {q['key']}  ({q['kind']}, {q['when']}: "
+                  f"{q['reason']}; file {q['file']})")
+        if not reply["files"] and not reply["quarantined"]:
+            print("nothing pending or quarantined")
+        return 0
+    if not args.paths:
+        raise CliError(f"pending {args.action} needs at least one PATH")
+    reply = request(sock, f"pending_{args.action}", timeout=300.0,
+                    paths=[flush_prefix(mp, p) for p in args.paths])
+    for d in reply["done"]:
+        print(f"{d['key']}: {d['result']}")
+    for f in reply["failed"]:
+        print(f"tierfs: {args.action} {f['key']}: {f['error']}", file=sys.stderr)
+    return 1 if reply["failed"] else 0
 
 
 def _wait_exit(pid: int, timeout: float) -> None:
@@ -431,6 +503,9 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("mountpoint", nargs="?", help="or the mountpoint of --config")
     u.add_argument("--config", "-c", metavar="FILE", help="take the mountpoint from this config")
     u.add_argument("--no-flush", action="store_true", help="do not wait for pending uploads")
+    u.add_argument("--timeout", type=float, default=FLUSH_STALL, metavar="SECONDS",
+                   help="give up (and stay mounted) once no upload moved for this long "
+                        f"(default {FLUSH_STALL:g})")
     u.add_argument("--lazy", "-l", action="store_true",
                    help="detach even while busy (files open in it): the mount goes away once "
                         "they are closed")
@@ -440,7 +515,18 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("mountpoint")
     f.add_argument("path", nargs="?", help="a directory or file inside the mount: absolute, or "
                    "relative to the mount root (to the current directory when inside the mount)")
+    f.add_argument("--timeout", type=float, default=FLUSH_STALL, metavar="SECONDS",
+                   help=f"give up once no upload moved for this long (default {FLUSH_STALL:g})")
     f.set_defaults(func=cmd_flush)
+
+    pe = sub.add_parser("pending", help="list, discard or retry files not yet in the store "
+                                        "(pending uploads, quarantined files)")
+    pe.add_argument("action", choices=["list", "discard", "retry"])
+    pe.add_argument("mountpoint")
+    pe.add_argument("paths", nargs="*", metavar="PATH",
+                    help="files (inside the mount, or relative to its root); list: a directory")
+    pe.add_argument("--json", action="store_true")
+    pe.set_defaults(func=cmd_pending)
 
     s = sub.add_parser("status", help="show a mount's state and counters")
     s.add_argument("mountpoint")
@@ -492,6 +578,20 @@ def main(argv: list[str] | None = None) -> int:
         # any tool killed by SIGPIPE (and nothing more to flush at exit).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + 13
+
+
+def mount_helper(argv: list[str] | None = None) -> int:
+    """Entry point of the `mount.tierfs` console script."""
+    from tierfs.cli_ops import OpsError, helper_argv
+
+    try:
+        args = helper_argv(list(sys.argv[1:] if argv is None else argv))
+    except OpsError as exc:
+        return die(str(exc), 1)
+    if args is None:
+        return 0
+    # mount(8) expects 0 on success, 32 on a mount failure.
+    return 0 if main(args) == 0 else 32
 
 
 if __name__ == "__main__":

@@ -108,6 +108,10 @@ def print_status(st: dict[str, Any]) -> None:
                   f"oldest {_duration(p.get('oldest_age_s')) if p.get('count') else '-'}")
     else:
         t.add_row("pending uploads", "0 (no write path)")
+    mem = st.get("memory") or {}
+    if mem:
+        t.add_row("memory", f"{human(mem['used'])} of {human(mem['budget'])} budget in flight "
+                  f"(peak {human(mem['peak'])})")
     q = st.get("quarantined") or {}
     qn = q.get("count", 0) if isinstance(q, dict) else q
     t.add_row("quarantined", f"{qn} file(s)" + (f" in {st['cache_dir']}/quarantine" if qn else ""))
@@ -393,20 +397,6 @@ def helper_argv(argv: list[str]) -> list[str] | None:
             raise OpsError(f"mount option {key} needs a value ({key}=...)")
         out += [flag, value] if takes_value else [flag]
     return None if a.f else out
-
-
-def mount_helper(argv: list[str] | None = None) -> int:
-    """Entry point of the `mount.tierfs` console script."""
-    from tierfs.cli import die, main
-
-    try:
-        args = helper_argv(list(sys.argv[1:] if argv is None else argv))
-    except OpsError as exc:
-        return die(str(exc), 1)
-    if args is None:
-        return 0
-    # mount(8) expects 0 on success, 32 on a mount failure.
-    return 0 if main(args) == 0 else 32
 
 
 def add_parsers(sub: Any, guarded: Callable[[Callable[[argparse.Namespace], int]],

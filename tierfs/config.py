@@ -17,16 +17,15 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from tierfs.errors import ConfigError
+from tierfs.globs import glob_to_regex
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1 << 40, "p": 1 << 50}
-
-
-class ConfigError(ValueError):
-    """A bad option value; the message is shown to the user as one line."""
 
 
 def parse_size(text: str | int) -> int:
@@ -86,10 +85,47 @@ class ClassSettings:
 
 # The largest per-stream readahead window of the bulk classes. It matches the
 # default max_inflight: the read path keeps as many just-fetched bytes in memory
-# (reader.py, landed.py), so a sequential reader is served from memory; bytes
+# (read/reader.py, read/landed.py), so a sequential reader is served from memory; bytes
 # fetched further ahead than that are read back from tier 1 (a device read per
 # request: 384 vs 609 MB/s cold with 256 vs 64 MiB on the bench VM).
 READAHEAD = 64 * MiB
+
+# While the store is away: listings answered from the tier-1 index are retried
+# against the store after this many seconds, and the store is probed as often.
+DEGRADED_RETRY = 5.0
+
+# FUSE requests served at once (pyfuse3.main min_tasks, max_tasks), and reply
+# buffers of big reads kept for reuse (about the kernel's max_background reads).
+FUSE_TASKS = (4, 64)
+SERVE_BUFFERS_KEPT = 64
+
+# While the store is away, the kernel caches attributes no longer than this.
+DEGRADED_ATTR_TTL = 5.0
+LOG_EVERY = 10.0  # seconds between log lines of one kind of error returned to callers
+
+# Store access. A ranged GET or upload part: each request costs ~2 ms of botocore
+# CPU and the server its own share: 16 MiB parts read a cold 2 GiB object at
+# 0.78x raw boto3 where 8 MiB parts managed 0.71x (bench VM, 3 runs each).
+PART_SIZE = 16 * MiB
+CONNECT_TIMEOUT = 5.0
+READ_TIMEOUT = 30.0
+DEADLINE = 30.0  # per store operation, retries included
+MAX_CONNECTIONS = 64  # HTTP connections kept to the store (>= worker threads that use it)
+
+# Tier 1.
+CHUNK_SIZE = 1 * MiB
+
+# Uploads. A failed upload is retried with backoff up to this many seconds apart
+# (sooner once the store answers again); one that lands but does not verify is
+# retried this many times, then quarantined.
+UPLOAD_RETRY_CAP = 30.0
+UPLOAD_VERIFY_ATTEMPTS = 3
+
+# The flush barrier (tierfs flush, umount): a file closed just before it started
+# gets this long for its RELEASE (which the kernel sends after close(2)
+# returned); a flush gives up once nothing moved for FLUSH_STALL seconds.
+RELEASE_GRACE = 3.0
+FLUSH_STALL = 60.0
 
 # The longest object key (source prefix included) the store takes: S3 and
 # SeaweedFS refuse 1,025 bytes (KeyTooLongError). Names whose key would be
@@ -186,21 +222,23 @@ class MountConfig:
     metrics_allow_remote: bool = False
 
     # store
-    # Ranged GET / multipart part. Each request costs ~2 ms of botocore CPU and
-    # the server its own share: 16 MiB parts read a cold 2 GiB object at 0.78x
-    # raw boto3 where 8 MiB parts managed 0.71x (bench VM, 3 runs each).
-    part_size: int = 16 * MiB
+    part_size: int = PART_SIZE  # ranged GET / multipart part
     max_parallel_gets: int = 16
-    max_parallel_puts: int = 8  # multipart parts in flight per upload
+    max_parallel_puts: int = 8  # upload parts in flight, all uploads together (own slots)
     max_parallel_uploads: int = 2  # files uploading at once
-    connect_timeout: float = 5.0
-    read_timeout: float = 30.0
-    deadline: float = 30.0  # per store operation, retries included
+    meta_threads: int = 16  # HEAD/LIST/DELETE/COPY in flight
+    disk_threads: int = 8  # tier-1 I/O and index updates in flight
+    connect_timeout: float = CONNECT_TIMEOUT
+    read_timeout: float = READ_TIMEOUT
+    deadline: float = DEADLINE
     max_key_bytes: int = MAX_KEY_BYTES
-    mount_check_timeout: float = 8.0  # how long `tierfs mount` waits for the store
+
+    # Every byte held in flight (GET buffers, landed parts, FUSE read replies,
+    # upload part buffers, queued writes), shared by reads and uploads (budget.py).
+    memory_budget: int = 256 * MiB
 
     # cache
-    chunk_size: int = 1 * MiB
+    chunk_size: int = CHUNK_SIZE
     # Free-space floor on the cache filesystem. None: MIN_FREE_DEFAULT, at most
     # MIN_FREE_SHARE of the filesystem.
     min_free: int | None = None
@@ -222,9 +260,6 @@ class MountConfig:
 
     def resolved_cache_dir(self) -> Path:
         return self.cache_dir or cache_dir_for(self.source, self.endpoint_url)
-
-    def with_overrides(self, **kw: object) -> MountConfig:
-        return replace(self, **{k: v for k, v in kw.items() if v is not None})
 
 
 # -- metrics address -------------------------------------------------------------
@@ -402,6 +437,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("read", "readahead"): ("readahead", _want_size),  # every class's, unless set there
     ("read", "readahead_min"): ("readahead_min", _want_pos_size),
     ("read", "max_inflight"): ("max_inflight_bytes", _want_pos_size),
+    ("memory", "budget"): ("memory_budget", _want_pos_size),
     ("read", "kernel_read_ahead_kb"): ("kernel_read_ahead_kb", _want_pos_int),
     ("read", "prefetch_globs"): ("prefetch_globs", _want_globs),
     ("read", "prefetch_min_size"): ("prefetch_min_size", _want_size),
@@ -539,7 +575,7 @@ def _interpret(doc: dict[str, Any], text: str, path: Path) -> dict[str, Any]:
     # classes: per-class overrides of the built-in contracts; a new name starts
     # from the "default" class.
     classes = dict(DEFAULT_CLASSES)
-    class_tables = doc.get("classes") if isinstance(doc.get("classes"), dict) else {}
+    class_tables: dict[str, Any] = doc["classes"] if isinstance(doc.get("classes"), dict) else {}
     for name, body in class_tables.items():
         if not isinstance(body, dict):
             fail(("classes", name), f"classes.{name} must be a table ([classes.{name}])")
@@ -580,8 +616,6 @@ def _interpret(doc: dict[str, Any], text: str, path: Path) -> dict[str, Any]:
         fail(("rules",), "rules must be an array of tables ([[rules]] with glob and class)")
         rules_doc = []
     rules: list[tuple[str, str]] = []
-    from tierfs.policy import glob_to_regex  # policy imports this module
-
     for i, r in enumerate(rules_doc):
         if not isinstance(r, dict):
             fail(("rules", i), f"rules[{i}] must be a table with glob and class")

@@ -160,6 +160,7 @@ class ControlServer:
                 buf += chunk
                 if len(buf) > MAX_REQUEST:
                     return
+            handler: Handler
             try:
                 request = json.loads(buf.split(b"\n", 1)[0])
                 op = request["op"]
@@ -172,8 +173,10 @@ class ControlServer:
                         except (trio.BrokenResourceError, trio.ClosedResourceError):
                             raise ClientGone() from None
 
-                    def handler(req: dict[str, Any]) -> Awaitable[dict[str, Any]]:
+                    def streaming(req: dict[str, Any]) -> Awaitable[dict[str, Any]]:
                         return streamer(req, emit)
+
+                    handler = streaming
                 else:
                     handler = self.handlers[op]
             except (ValueError, KeyError, TypeError):

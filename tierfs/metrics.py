@@ -117,6 +117,14 @@ class Metrics:
         """Expose figures owned elsewhere (see LIVE_METRICS), read at each scrape."""
         self.registry.register(_LiveCollector(source))
 
+    def store_bytes_of(self, op: str) -> float:
+        """Bytes moved by one kind of store request so far (no other figure is read)."""
+        for family in self.store_bytes.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.labels.get("op") == op:
+                    return float(sample.value)
+        return 0.0
+
     def read_latency_summary(self) -> dict[str, Any]:
         """p50/p95/p99 (seconds) and count of FUSE reads, from the histogram."""
         buckets: list[tuple[float, float]] = []

@@ -20,14 +20,15 @@ import logging
 import math
 import stat
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import trio
 
 from tierfs.cache import Cache
-from tierfs.config import ClassSettings
+from tierfs.config import DEGRADED_RETRY, ClassSettings
+from tierfs.health import StoreHealth
 from tierfs.policy import Policy
 from tierfs.store.base import UNREACHABLE_KINDS, Listing, ObjectInfo, Store, StoreError
 from tierfs.workers import Workers
@@ -38,7 +39,6 @@ ROOT_INODE = 1
 NAME_MAX = 255
 # One open(2) is a lookup, an open and an fstat: the lookup's HEAD serves all three.
 STRICT_REUSE = 1.0
-DEGRADED_RETRY = 5.0  # seconds before a degraded listing is retried against the store
 
 
 @dataclass
@@ -53,6 +53,7 @@ class Node:
     attr_expire: float = 0.0  # monotonic deadline of the attributes
     children: dict[str, int] | None = None  # name -> inode, once listed
     children_expire: float = -math.inf
+    children_epoch: int = 0  # StoreHealth.epoch when listed: a return of the store voids it
     # Whether `children` holds every name of the store's last whole listing (or
     # the directory was made here). False: pieced together from the index while
     # the store was away; a name missing from it may still exist.
@@ -68,19 +69,18 @@ class Node:
         return self.path
 
 
+class LocalFile(Protocol):
+    size: int
+    mtime: float
+
+
 class LocalOverlay(Protocol):
-    """Files that exist only on this node (written, not yet uploaded)."""
+    """Files that exist only on this node (written, not yet uploaded): the write
+    path's journal (writeback/journal.py)."""
 
-    local: dict[str, Any]  # key -> object with .size and .mtime
+    def local_file(self, key: str) -> LocalFile | None: ...
 
-    def local_children(self, prefix: str) -> tuple[dict[str, Any], set[str]]: ...
-
-
-class _NoOverlay:
-    local: dict[str, Any] = {}
-
-    def local_children(self, prefix: str) -> tuple[dict[str, Any], set[str]]:
-        return {}, set()
+    def local_children(self, prefix: str) -> tuple[Mapping[str, LocalFile], set[str]]: ...
 
 
 @dataclass
@@ -125,18 +125,19 @@ class Namespace:
         policy: Policy,
         workers: Workers,
         *,
-        on_changed: Callable[[int], None] = lambda inode: None,
-        degraded: bool = False,
-        on_store_back: Callable[[], None] = lambda: None,
+        health: StoreHealth,
+        overlay: LocalOverlay,
+        on_changed: Callable[[int], None],
+        on_gone: Callable[[int, str], None],
     ) -> None:
         self.store = store
         self.cache = cache
         self.policy = policy
         self.workers = workers
-        self.on_changed = on_changed
-        self.degraded = degraded
-        self.on_store_back = on_store_back
-        self.overlay: LocalOverlay = _NoOverlay()
+        self.health = health
+        self.overlay = overlay
+        self.on_changed = on_changed  # an inode's object changed: drop the kernel's pages
+        self.on_gone = on_gone  # a name the kernel may remember is gone
         self._nodes: dict[int, Node] = {}
         self._by_path: dict[str, int] = {}
         self._next_inode = ROOT_INODE + 1
@@ -187,7 +188,7 @@ class Namespace:
         node.attr_expire = now + node.settings.attr_ttl
         return node
 
-    def _apply_local(self, node: Node, lf: Any) -> None:
+    def _apply_local(self, node: Node, lf: LocalFile) -> None:
         node.size, node.mtime, node.etag = lf.size, lf.mtime, ""
         node.attr_expire = time.monotonic() + node.settings.attr_ttl
 
@@ -199,6 +200,17 @@ class Namespace:
                 node = self._nodes[inode]
                 if node.is_dir:
                     node.children_expire = -math.inf
+
+    def _listing_stale(self, node: Node) -> bool:
+        return (
+            node.children is None
+            or time.monotonic() >= node.children_expire
+            or node.children_epoch != self.health.epoch
+        )
+
+    def expire_listing(self, node: Node) -> None:
+        """The next lookup or readdir of `node` lists it from the store again."""
+        node.children_expire = -math.inf
 
     def forget(self, items: Iterable[tuple[int, int]]) -> None:
         for inode, count in items:
@@ -217,7 +229,7 @@ class Namespace:
         """The store's listing, and whether it is complete; while the store is known
         to be down, the index's (incomplete), at once (not after a store deadline
         per directory)."""
-        if not self.degraded:
+        if not self.health.degraded:
             try:
                 return await self.workers.meta(self.store.list_dir, node.key), True
             except StoreError as exc:
@@ -227,27 +239,7 @@ class Namespace:
         return await self.workers.disk(self._listing_from_index, node.key), False
 
     def _store_down(self, exc: StoreError) -> None:
-        if not self.degraded:
-            log.warning("store unreachable (%s): degraded mode, serving from the cache index", exc)
-        self.degraded = True
-
-    async def watch_store(self, interval: float = DEGRADED_RETRY) -> None:
-        """While degraded, probe the store in the background; leave degraded mode
-        (and re-list from the store) as soon as it answers."""
-        while True:
-            await trio.sleep(interval)
-            if not self.degraded:
-                continue
-            try:
-                await self.workers.meta(self.store.check)
-            except Exception as exc:  # StoreError, or anything else: still away
-                log.debug("store still unreachable: %s", exc)
-                continue
-            log.info("store reachable again: leaving degraded mode")
-            self.degraded = False
-            for node in self._nodes.values():
-                node.children_expire = -math.inf
-            self.on_store_back()
+        self.health.mark_down(str(exc))
 
     def _listing_from_index(self, prefix: str) -> Listing:
         files: list[ObjectInfo] = []
@@ -319,11 +311,12 @@ class Namespace:
             raise OSError(errno.EIO, f"{node.path or '/'}: store unreachable and never listed here")
         node.children = children
         node.complete = complete
-        ttl = DEGRADED_RETRY if self.degraded else node.settings.list_ttl
+        ttl = DEGRADED_RETRY if self.health.degraded else node.settings.list_ttl
         node.children_expire = now + ttl
+        node.children_epoch = self.health.epoch
 
     async def _head(self, path: str) -> ObjectInfo | None:
-        if self.degraded:
+        if self.health.degraded:
             raise StoreError("store unreachable (degraded mode)", kind="unreachable")
         try:
             return await self.workers.meta(self.store.head, path)
@@ -344,11 +337,10 @@ class Namespace:
             raise OSError(_bad_name_errno(name, errno.ENOENT), "no such entry")
         path = join(parent.path, name)
         settings = self.policy.settings(path)
-        now = time.monotonic()
         if settings.revalidate_on_open:
             node = await self._lookup_strict(parent, name, path)
         else:
-            if parent.children is None or now >= parent.children_expire:
+            if self._listing_stale(parent):
                 await self._refresh_children(parent)
             assert parent.children is not None
             inode = parent.children.get(name)
@@ -361,7 +353,7 @@ class Namespace:
     async def _lookup_strict(self, parent: Node, name: str, path: str) -> Node:
         """Manifest-class lookup: the store's word, never the listing cache
         (unless the file is being written here: then ours)."""
-        lf = self.overlay.local.get(path)
+        lf = self.overlay.local_file(path)
         if lf is not None:
             node = self._node_for(path, False)
             self._apply_local(node, lf)
@@ -387,7 +379,7 @@ class Namespace:
             node.validated_at = time.monotonic()
         else:
             # Not an object; perhaps a prefix. A listing of the parent decides.
-            if parent.children is None or time.monotonic() >= parent.children_expire:
+            if self._listing_stale(parent):
                 await self._refresh_children(parent)
             assert parent.children is not None
             inode = parent.children.get(name)
@@ -411,7 +403,7 @@ class Namespace:
         """HEAD a file and take what the store says; ENOENT if it is gone.
         A file written on this node and not yet uploaded is its own truth; a HEAD
         within STRICT_REUSE seconds (the lookup of this same open) is reused."""
-        lf = self.overlay.local.get(node.path)
+        lf = self.overlay.local_file(node.path)
         if lf is not None:
             self._apply_local(node, lf)
             return
@@ -432,7 +424,7 @@ class Namespace:
         node = self.get(inode)
         if not node.is_dir:
             raise OSError(errno.ENOTDIR, "not a directory")
-        if node.children is None or time.monotonic() >= node.children_expire:
+        if self._listing_stale(node):
             await self._refresh_children(node)
         assert node.children is not None
         return sorted((name, self._nodes[i]) for name, i in node.children.items())
@@ -442,15 +434,45 @@ class Namespace:
             return stat.S_IFDIR | 0o755
         return stat.S_IFREG | 0o644
 
+    def size_mtime(self, node: Node) -> tuple[int, float]:
+        """A file's size and mtime: its local bytes' if it is being written here."""
+        lf = None if node.is_dir else self.overlay.local_file(node.path)
+        return (node.size, node.mtime) if lf is None else (lf.size, lf.mtime)
+
+    async def refresh(self, key: str) -> ObjectInfo:
+        """The store's current version of `key` (a HEAD, whatever was cached)."""
+        info = await self._head(key)
+        if info is None:
+            raise OSError(errno.ENOENT, f"{key}: no longer in the store")
+        inode = self._by_path.get(key)
+        if inode is not None and not self._nodes[inode].is_dir:
+            node = self._apply_info(self._nodes[inode], info, time.monotonic())
+            node.validated_at = time.monotonic()
+        return info
+
     # -- changes made through this mount ----------------------------------------
 
-    def child(self, parent_inode: int, name: str) -> Node | None:
-        """The known child `name` (no store request), or None."""
-        parent = self.get(parent_inode)
-        if parent.children is None:
-            return None
-        inode = parent.children.get(name)
-        return None if inode is None else self._nodes[inode]
+    def set_mtime(self, node: Node, mtime: float) -> None:
+        node.mtime = mtime
+
+    def local_dropped(self, key: str) -> None:
+        """A file's local bytes are gone (never acknowledged, or refused): what the
+        store has shows again, and a name it never had goes."""
+        inode = self._by_path.get(key)
+        if inode is None:
+            return
+        node = self._nodes[inode]
+        if node.is_dir:
+            return
+        if node.etag:
+            node.attr_expire = node.validated_at = -math.inf  # ask the store next time
+            self.on_changed(node.inode)
+            return
+        parent_path, _, name = key.rpartition("/")
+        parent_inode = self._by_path.get(parent_path)
+        if parent_inode is not None:
+            self.remove(parent_inode, name)
+            self.on_gone(parent_inode, name)
 
     def check_new(self, parent_inode: int, name: str, *, is_dir: bool) -> None:
         """Before a create, mkdir or rename writes anything: `name` must be a valid
@@ -471,6 +493,7 @@ class Namespace:
         node.attr_expire = time.monotonic() + node.settings.attr_ttl
         if is_dir and node.children is None:
             node.children, node.children_expire = {}, time.monotonic() + node.settings.list_ttl
+            node.children_epoch = self.health.epoch
         if parent.children is not None:
             parent.children[name] = node.inode
         node.lookups += 1
@@ -482,7 +505,7 @@ class Namespace:
         if parent.children is not None:
             parent.children.pop(name, None)
         inode = self._by_path.pop(path, None)
-        if inode is not None:
+        if inode is not None and self._nodes[inode].is_dir:  # a file has nothing below it
             for sub in [p for p in self._by_path if p.startswith(path + "/")]:
                 del self._by_path[sub]
 
@@ -497,7 +520,8 @@ class Namespace:
         if inode is None:
             dst.children_expire = -math.inf  # unknown here: the next lookup re-lists
             return
-        for path in sorted(p for p in self._by_path if p == old_path or p.startswith(old_path + "/")):
+        below = (p for p in self._by_path if p.startswith(old_path + "/")) if self._nodes[inode].is_dir else ()
+        for path in sorted([old_path, *below]):
             moved = self._by_path.pop(path)
             node = self._nodes[moved]
             node.path = new_path + path[len(old_path):]
@@ -507,9 +531,20 @@ class Namespace:
             dst.children[new_name] = inode
 
     def uploaded(self, key: str, info: ObjectInfo) -> None:
-        """A local file landed in the store: take its store attributes quietly."""
+        """A local file landed in the store: take its store attributes quietly (and
+        show its name, if a cached listing of its directory lacks it: a file put
+        back from quarantine)."""
         inode = self._by_path.get(key)
         if inode is not None:
             node = self._nodes[inode]
             node.size, node.mtime, node.etag = info.size, info.mtime, info.etag
             node.attr_expire = time.monotonic() + node.settings.attr_ttl
+            return
+        parent_path, _, name = key.rpartition("/")
+        parent_inode = self._by_path.get(parent_path)
+        if parent_inode is None or not valid_name(name):
+            return
+        parent = self._nodes[parent_inode]
+        if parent.is_dir and parent.children is not None:
+            node = self._apply_info(self._node_for(key, False), info, time.monotonic())
+            parent.children[name] = node.inode

@@ -1,39 +1,57 @@
 """Control-socket operations of a running mount (DESIGN §7).
 
-`status`, `warmup`, `cache ls|evict|verify|stats` and `policy` are answered
-here; daemon.py registers them on the control socket. Every cache call runs in
-a worker thread, never on the trio loop.
+`status`, `flush`, `unmount`, `pending`, `warmup`, `cache ls|evict|verify|stats`
+and `policy` are answered here; mount.py registers them on the control socket.
+Every cache and index call runs in a worker thread, never on the trio loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import math
 import os
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
+from tierfs.budget import MemoryBudget
 from tierfs.cache import Cache, Entry
+from tierfs.config import ClassSettings
 from tierfs.control import Emit
+from tierfs.fusermount import fusermount_unmount
+from tierfs.health import StoreHealth
 from tierfs.metrics import Metrics
 from tierfs.namespace import ROOT_INODE, Namespace, Node
 from tierfs.policy import Policy
-from tierfs.reader import Reader
+from tierfs.read.reader import Reader
 from tierfs.store.base import StoreError
-
-if TYPE_CHECKING:
-    from tierfs.daemon import Daemon
+from tierfs.workers import Workers
+from tierfs.writeback.core import WriteBack
 
 log = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL = 0.25  # seconds between warmup progress lines
 MAX_WARMUP_PARALLEL = 64
+LIVE_EVERY = 1.0  # seconds between refreshes of the figures the metrics scrape reads
+
+
+@dataclass(frozen=True)
+class MountInfo:
+    """What status shows about the mount itself."""
+
+    source: str
+    mountpoint: str
+    cache_dir: str
+    config_file: str | None
+    classes: dict[str, ClassSettings]
+    rules: tuple[tuple[str, str], ...]
+    default_class: str
+    metrics_url: str | None
 
 
 def _jsonable(v: Any) -> Any:
@@ -65,43 +83,45 @@ def _reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _as_dict(obj: Any) -> dict[str, Any]:
-    if obj is None:
-        return {}
-    if isinstance(obj, dict):
-        return obj
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.asdict(obj)
-    if hasattr(obj, "_asdict"):
-        return dict(obj._asdict())
-    return dict(vars(obj))
-
-
 class ControlOps:
     def __init__(
         self,
-        daemon: Daemon,
+        info: MountInfo,
         ns: Namespace,
         reader: Reader,
         cache: Cache,
         policy: Policy,
         metrics: Metrics,
+        workers: Workers,
+        health: StoreHealth,
+        writeback: WriteBack,
+        budget: MemoryBudget,
+        stop: trio.Event,
     ) -> None:
-        self.daemon = daemon
+        self.info = info
         self.ns = ns
         self.reader = reader
         self.cache = cache
         self.policy = policy
         self.metrics = metrics
+        self.workers = workers
+        self.health = health
+        self.wb = writeback
+        self.budget = budget
+        self.stop = stop
         # Figures owned by trio-side objects, refreshed by `refresh_live` and read
         # by the metrics scrape thread (which must not call into them itself).
-        self._pending_cached: dict[str, Any] = self._no_pending()
+        self._live: dict[str, float] = {}
         # tier-1 usage is the cache's own figure, read at scrape time
         metrics.cache_bytes.set_function(lambda: cache.stats().used_bytes)
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]]:
         return {
             "status": self.status,
+            "pending": self.pending,
+            "pending_list": self.pending_list,
+            "pending_discard": self.pending_discard,
+            "pending_retry": self.pending_retry,
             "cache_ls": self.cache_ls,
             "cache_evict": self.cache_evict,
             "cache_verify": self.cache_verify,
@@ -110,54 +130,87 @@ class ControlOps:
         }
 
     def stream_handlers(self) -> dict[str, Callable[[dict[str, Any], Emit], Awaitable[dict[str, Any]]]]:
-        return {"warmup": self.warmup}
+        return {"warmup": self.warmup, "flush": self.flush, "unmount": self.unmount}
+
+    # -- uploads ------------------------------------------------------------------------
+
+    def _pending_figures(self, prefix: str = "") -> dict[str, Any]:
+        return {"available": True, **self.wb.summary(prefix)}
+
+    async def pending(self, req: dict[str, Any]) -> dict[str, Any]:
+        return {"pending": self._pending_figures(relpath(req.get("prefix", "")))}
+
+    async def flush(self, req: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        """The barrier over PREFIX: progress lines while it waits, then its outcome."""
+        prefix = relpath(req.get("prefix", ""))
+        stall = req.get("stall")
+        outcome = await self.wb.flush(
+            f"{prefix}/" if prefix and not await self._is_file(prefix) else prefix,
+            stall=float(stall) if stall is not None else None,
+            progress=lambda p: emit({"event": "waiting", **p}))
+        return {"flush": outcome.asdict(), "pending": self._pending_figures(prefix)}
+
+    async def unmount(self, req: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        """`tierfs umount`: flush (unless told not to), then unmount, then stop. A
+        failed or abandoned flush leaves the mount up. Not lazily unless asked: a
+        mount with files open in it stays, and the caller hears "busy" (a lazy
+        unmount would silently leave those processes writing into a detached tree)."""
+        out: dict[str, Any] = {"pid": os.getpid()}
+        if req.get("flush", True):
+            result = await self.flush(req, emit)
+            out.update(result)
+            if not result["flush"]["ok"]:
+                out["stopped"] = False
+                return out
+        if not req.get("lazy"):
+            res = await self.workers.disk(fusermount_unmount, Path(self.info.mountpoint))
+            if res.busy:
+                log.info("unmount refused: %s is busy", self.info.mountpoint)
+                out.update(busy=True, stopped=False)
+                return out
+            if not res.ok:  # e.g. fusermount3 missing: the lazy unmount at stop does it
+                log.info("unmount of %s: %s", self.info.mountpoint, res.reason)
+        self.stop.set()
+        out["stopped"] = True
+        return out
+
+    async def _is_file(self, rel: str) -> bool:
+        try:
+            return not (await self.resolve(rel)).is_dir
+        except (OSError, StoreError):
+            return False
+
+    async def pending_list(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await self.wb.pending(relpath(req.get("prefix", "")))
+
+    async def pending_discard(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await self._each_key(req, self.wb.discard)
+
+    async def pending_retry(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await self._each_key(req, self.wb.retry)
+
+    async def _each_key(
+        self, req: dict[str, Any], act: Callable[[str], Awaitable[str]]
+    ) -> dict[str, Any]:
+        paths = req.get("paths")
+        if not isinstance(paths, list) or not paths:
+            raise ValueError("give at least one path")
+        done, failed = [], []
+        for p in paths:
+            key = relpath(p)
+            try:
+                done.append({"key": key, "result": await act(key)})
+            except (OSError, ValueError, StoreError) as exc:
+                failed.append({"key": key, "error": str(exc) if not isinstance(exc, OSError)
+                               else exc.strerror or str(exc)})
+        return {"done": done, "failed": failed}
 
     # -- figures -------------------------------------------------------------------
-
-    @staticmethod
-    def _no_pending() -> dict[str, Any]:
-        return {"available": False, "count": 0, "bytes": 0, "oldest_age_s": None}
-
-    async def pending(self) -> dict[str, Any]:
-        """Pending uploads from the write path, if one is wired: the daemon's
-        optional `writeback` object with `summary()` / `pending_summary()` (or a
-        daemon-level `pending_summary()`), sync or async, returning a dict,
-        dataclass or namedtuple with count/bytes/oldest_age_s (a few spellings
-        accepted). Zeros and available=False until then."""
-        wb = getattr(self.daemon, "writeback", None)
-        fn = None
-        if wb is not None:
-            fn = getattr(wb, "summary", None) or getattr(wb, "pending_summary", None)
-        if fn is None:
-            fn = getattr(self.daemon, "pending_summary", None)
-        if fn is None:
-            return self._no_pending()
-        raw = fn()
-        if inspect.isawaitable(raw):
-            raw = await raw
-        d = _as_dict(raw)
-
-        def pick(*names: str, default: Any = 0) -> Any:
-            for n in names:
-                if n in d and d[n] is not None:
-                    return d[n]
-            return default
-
-        out = {
-            "available": True,
-            "count": int(pick("count", "files", "pending", "pending_files")),
-            "bytes": int(pick("bytes", "pending_bytes", "nbytes")),
-            "oldest_age_s": pick("oldest_age_s", "oldest_age", "oldest_s", "oldest", default=None),
-        }
-        for extra in ("uploaded_bytes", "open_for_write", "last_errors", "quarantined"):
-            if extra in d:
-                out[extra] = d[extra]
-        return out
 
     def quarantined_files(self) -> int:
         """Files kept aside, never uploaded: <cache>/quarantine/ (one .json note
         per file, written by the write path) and rejected conditional PUTs in
-        <cache>/conflicts/."""
+        <cache>/conflicts/. Blocking (a directory scan)."""
         n = 0
         for sub, want in (("quarantine", ".json"), ("conflicts", "")):
             try:
@@ -170,44 +223,41 @@ class ControlOps:
     def live_figures(self) -> dict[str, float]:
         """For the metrics scrape thread: thread-safe sources only."""
         st = self.cache.stats()
-        pending = self._pending_cached
         out: dict[str, float] = {
             "tierfs_cache_objects": st.objects,
             "tierfs_cache_open_objects": st.open_objects,
             "tierfs_evictions": st.evictions_total,
             "tierfs_evicted_bytes": st.evicted_bytes_total,
             "tierfs_corrupt_chunks": st.corrupt_chunks_total,
-            "tierfs_pending_uploads": pending["count"],
-            "tierfs_pending_upload_bytes": pending["bytes"],
-            "tierfs_quarantined_files": pending.get("quarantined_files", 0),
         }
-        if pending.get("oldest_age_s") is not None:
-            out["tierfs_pending_upload_oldest_seconds"] = float(pending["oldest_age_s"])
+        out.update(self._live)
         return out
 
     async def refresh_live(self) -> None:
         """Keep the scrape-side copy of trio-owned figures fresh (runs in the nursery)."""
         while True:
-            try:
-                pending = await self.pending()
-                pending["quarantined_files"] = await trio.to_thread.run_sync(self.quarantined_files)
-                self._pending_cached = pending
-            except Exception:
-                log.debug("pending summary unavailable", exc_info=True)
-            await trio.sleep(1.0)
+            pending = self.wb.summary()
+            live = {
+                "tierfs_pending_uploads": float(pending["count"]),  # type: ignore[arg-type]
+                "tierfs_pending_upload_bytes": float(pending["bytes"]),  # type: ignore[arg-type]
+                "tierfs_quarantined_files": float(
+                    await self.workers.disk(self.quarantined_files)),
+            }
+            if pending["count"]:
+                live["tierfs_pending_upload_oldest_seconds"] = float(pending["oldest_age_s"])  # type: ignore[arg-type]
+            self._live = live
+            await trio.sleep(LIVE_EVERY)
 
     async def status(self, req: dict[str, Any]) -> dict[str, Any]:
-        d = self.daemon
-        assert d.store is not None
-        cfg = d.cfg
-        stats = await trio.to_thread.run_sync(self.cache.stats)
-        self.metrics.cache_bytes.set(stats.used_bytes)
-        pending = await self.pending()
+        info = self.info
+        stats = await self.workers.disk(self.cache.stats)
+        pending = self._pending_figures()
+        notes = [dataclasses.asdict(n) for n in await self.wb.notes()]
         quarantined = {
-            "count": await trio.to_thread.run_sync(self.quarantined_files),
-            "files": list(pending.pop("quarantined", None) or []),
+            "count": await self.workers.disk(self.quarantined_files),
+            "files": notes,
         }
-        snap = self.metrics.snapshot()
+        snap = await self.workers.disk(self.metrics.snapshot)  # reads the index (cache stats)
 
         def labelled(prefix: str) -> dict[str, dict[str, float]]:
             """{'op=get,status=ok': v} samples of one family -> nested by label."""
@@ -218,20 +268,20 @@ class ControlOps:
                     out[",".join(f"{a}={b}" for a, b in labels.items())] = v
             return out
 
-        cache_b = float(snap.get("tierfs_read_bytes_total{tier=cache}", 0.0))
-        store_b = float(snap.get("tierfs_read_bytes_total{tier=store}", 0.0))
+        cache_b = float(snap.get("tierfs_read_bytes_total{tier=cache}", 0.0))  # type: ignore[arg-type]
+        store_b = float(snap.get("tierfs_read_bytes_total{tier=store}", 0.0))  # type: ignore[arg-type]
         requests: dict[str, dict[str, int]] = {}
         for k, v in labelled("tierfs_store_requests_total").items():
             lab = dict(p.split("=", 1) for p in k.split(","))
-            requests.setdefault(lab.get("op", "?"), {})[lab.get("status", "?")] = int(v)
-        errors = {k.split("=", 1)[1]: int(v) for k, v in labelled("tierfs_errors_total").items()}
+            requests.setdefault(lab.get("op", "?"), {})[lab.get("status", "?")] = int(v)  # type: ignore[call-overload]
+        errors = {k.split("=", 1)[1]: int(v) for k, v in labelled("tierfs_errors_total").items()}  # type: ignore[call-overload]
         return _jsonable({
             "pid": os.getpid(),
-            "source": d.store.url,
-            "mountpoint": str(cfg.mountpoint),
-            "cache_dir": str(cfg.resolved_cache_dir()),
-            "config_file": str(cfg.config_file) if cfg.config_file else None,
-            "degraded": self.ns.degraded,
+            "source": info.source,
+            "mountpoint": info.mountpoint,
+            "cache_dir": info.cache_dir,
+            "config_file": info.config_file,
+            "degraded": self.health.degraded,
             "cache": {
                 "used_bytes": stats.used_bytes,
                 "capacity_bytes": stats.capacity,
@@ -241,9 +291,9 @@ class ControlOps:
                 "evicted_bytes": stats.evicted_bytes_total,
                 "corrupt_chunks": stats.corrupt_chunks_total,
             },
-            "classes": {n: dataclasses.asdict(s) for n, s in cfg.classes.items()},
-            "rules": [{"glob": g, "class": c} for g, c in cfg.rules],
-            "default_class": cfg.default_class,
+            "classes": {n: dataclasses.asdict(s) for n, s in info.classes.items()},
+            "rules": [{"glob": g, "class": c} for g, c in info.rules],
+            "default_class": info.default_class,
             "reads": {
                 "cache_bytes": int(cache_b),
                 "store_bytes": int(store_b),
@@ -251,15 +301,17 @@ class ControlOps:
                 "hit_ratio": cache_b / (cache_b + store_b) if cache_b + store_b else None,
             },
             "store": {
-                "get_bytes": int(snap.get("tierfs_store_bytes_total{op=get}", 0.0)),
-                "put_bytes": int(snap.get("tierfs_store_bytes_total{op=put}", 0.0)),
+                "get_bytes": int(snap.get("tierfs_store_bytes_total{op=get}", 0.0)),  # type: ignore[call-overload]
+                "put_bytes": int(snap.get("tierfs_store_bytes_total{op=put}", 0.0)),  # type: ignore[call-overload]
                 "requests": requests,
             },
             "pending": pending,
             "quarantined": quarantined,
+            "memory": {"budget": self.budget.limit, "used": self.budget.used,
+                       "peak": self.budget.peak},
             "read_latency": self.metrics.read_latency_summary(),
             "errors": errors,
-            "metrics_addr": d.metrics_url,
+            "metrics_addr": info.metrics_url,
             "metrics": snap,
         })
 
@@ -314,8 +366,7 @@ class ControlOps:
                     failed.append({"path": rel or "/", "error": "is a directory (use --recursive)"})
             else:
                 files.append(node)
-        seen: set[int] = set()
-        files = [n for n in files if not (n.inode in seen or seen.add(n.inode))]
+        files = list({n.inode: n for n in files}.values())  # each file once
         total = sum(n.size for n in files)
         get_before = self._fetched_bytes()
         done = {"bytes": 0, "files": 0}
@@ -336,46 +387,50 @@ class ControlOps:
                 "elapsed": time.monotonic() - started,
             }
 
-        async def one(node: Node, limit: trio.Semaphore) -> None:
-            async with limit:
-                if node.size > self.cache.capacity:
-                    failed.append({"path": node.path, "error": (
-                        f"larger ({node.size} B) than the tier-1 limit ({self.cache.capacity} B)")})
-                    done["bytes"] += node.size
-                    return
-                try:
-                    if node.settings.revalidate_on_open:
-                        await self.ns.revalidate(node)
-                    entry = await self.ns.workers.disk(
-                        self.cache.open, node.path, node.etag, node.size, node.mtime
-                    )
-                except (OSError, StoreError) as exc:
-                    failed.append({"path": node.path, "error": _reason(exc)})
-                    done["bytes"] += node.size
-                    return
-                active[node.inode] = entry
-                try:
-                    await self.reader.ensure(entry, 0, entry.size, whole_parts=True)
-                    done["files"] += 1
-                except (OSError, StoreError) as exc:
-                    failed.append({"path": node.path, "error": _reason(exc)})
-                finally:
-                    del active[node.inode]
-                    done["bytes"] += node.size
-                    with trio.CancelScope(shield=True):
-                        await self.ns.workers.disk(self.cache.release, entry)
+        async def one(node: Node) -> None:
+            if node.size > self.cache.capacity:
+                failed.append({"path": node.path, "error": (
+                    f"larger ({node.size} B) than the tier-1 limit ({self.cache.capacity} B)")})
+                done["bytes"] += node.size
+                return
+            try:
+                if node.settings.revalidate_on_open:
+                    await self.ns.revalidate(node)
+                entry = await self.workers.disk(
+                    self.cache.open, node.path, node.etag, node.size, node.mtime
+                )
+            except (OSError, StoreError) as exc:
+                failed.append({"path": node.path, "error": _reason(exc)})
+                done["bytes"] += node.size
+                return
+            active[node.inode] = entry
+            try:
+                await self.reader.ensure(entry, 0, entry.size, whole_parts=True)
+                done["files"] += 1
+            except (OSError, StoreError) as exc:
+                failed.append({"path": node.path, "error": _reason(exc)})
+            finally:
+                del active[node.inode]
+                done["bytes"] += node.size
+                with trio.CancelScope(shield=True):
+                    await self.workers.disk(self.cache.release, entry)
 
         async def ticker() -> None:
             while True:
                 await trio.sleep(PROGRESS_INTERVAL)
-                await emit(await trio.to_thread.run_sync(progress_now))
+                await emit(progress_now())
+
+        todo = iter(files)
+
+        async def worker() -> None:  # `parallel` of them: a bounded number of tasks
+            for node in todo:
+                await one(node)
 
         async with trio.open_nursery() as outer:
             outer.start_soon(ticker)
-            limit = trio.Semaphore(parallel)
             async with trio.open_nursery() as inner:
-                for node in files:
-                    inner.start_soon(one, node, limit)
+                for _ in range(min(parallel, len(files))):
+                    inner.start_soon(worker)
             outer.cancel_scope.cancel()
         await emit(progress_now())
         fetched = self._fetched_bytes() - get_before
@@ -392,7 +447,7 @@ class ControlOps:
         }
 
     def _fetched_bytes(self) -> float:
-        return float(self.metrics.snapshot().get("tierfs_store_bytes_total{op=get}", 0.0))
+        return self.metrics.store_bytes_of("get")
 
     # -- cache -----------------------------------------------------------------------
 
@@ -402,7 +457,7 @@ class ControlOps:
         def listing() -> list[dict[str, Any]]:
             return [dataclasses.asdict(o) for o in self.cache.iter_objects(prefix)]
 
-        objs = await trio.to_thread.run_sync(listing)
+        objs = await self.workers.disk(listing)
         objs.sort(key=lambda o: o["key"])
         return {"objects": objs}
 
@@ -426,7 +481,7 @@ class ControlOps:
                     refused.append(k)
             return {"evicted": evicted, "refused": refused}
 
-        out = await trio.to_thread.run_sync(evict)
+        out = await self.workers.disk(evict)
         if not out["evicted"] and not out["refused"]:
             raise ValueError(f"{rel or '/'}: nothing of it is in tier 1")
         log.info("cache evict %s: %d object(s) evicted, %d refused (not uploaded yet)",
@@ -435,8 +490,8 @@ class ControlOps:
 
     async def cache_verify(self, req: dict[str, Any]) -> dict[str, Any]:
         started = time.monotonic()
-        report = await trio.to_thread.run_sync(self.cache.verify_all)
-        stats = await trio.to_thread.run_sync(self.cache.stats)
+        report = await self.workers.disk(self.cache.verify_all)
+        stats = await self.workers.disk(self.cache.stats)
         bad = [{"key": k, "chunks": chunks} for k, chunks in report]
         if bad:
             log.warning("cache verify: dropped %d bad chunk(s) in %d object(s)",
@@ -444,7 +499,7 @@ class ControlOps:
         return {"objects": stats.objects, "bad": bad, "seconds": time.monotonic() - started}
 
     async def cache_stats(self, req: dict[str, Any]) -> dict[str, Any]:
-        stats = await trio.to_thread.run_sync(self.cache.stats)
+        stats = await self.workers.disk(self.cache.stats)
         return {"stats": dataclasses.asdict(stats), "cache_dir": str(Path(self.cache.root))}
 
     # -- policy ----------------------------------------------------------------------

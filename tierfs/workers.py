@@ -1,9 +1,15 @@
 """Blocking work off the trio loop, each kind with its own explicit capacity.
 
 boto3 calls and large local file I/O run in worker threads; the limits keep
-the number of threads (and so sockets, fds and in-flight bytes) bounded.
-Metadata requests get their own pool so a `stat` never queues behind a wall
-of 8 MiB ranged GETs.
+the number of threads (and so sockets and fds) bounded. Four kinds, so that
+none queues behind another: `data` (ranged GETs), `upload` (PUTs and parts:
+uploads never take the slots reads need), `meta` (HEAD, LIST, DELETE, COPY:
+a `stat` never waits behind a wall of GETs) and `disk` (tier-1 I/O, index).
+
+A store operation that backs off between retries (store/retry.py) gives its
+slot back for the wait, which it spends in trio (`Kind._pause`): a store that
+throttles or flaps does not hold the slots others need. The thread itself
+waits meanwhile; each kind allows twice its slots in threads for that.
 """
 
 from __future__ import annotations
@@ -16,39 +22,87 @@ from typing import TypeVar
 
 import trio
 
+from tierfs.store.retry import pausing
+
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-_M_ARENA_MAX = -8  # glibc mallopt parameter
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameters
+_M_ARENA_MAX = -8
 MALLOC_ARENAS = 2
+MMAP_THRESHOLD = 256 << 10
 
 
-def limit_malloc_arenas(n: int = MALLOC_ARENAS) -> None:
-    """Cap glibc's per-thread malloc arenas. With ~30 worker threads each keeping
+def tune_malloc() -> None:
+    """Keep glibc from holding freed memory. With ~30 worker threads each keeping
     its own arena of freed 1-8 MiB buffers, the daemon's RSS grew past 330 MiB in
-    the herd bench; with 2 arenas it stays near 200 MiB. Best effort (non-glibc: no-op)."""
+    the herd bench; with 2 arenas it stays near 200 MiB. A fixed mmap threshold
+    (glibc otherwise raises it up to 32 MiB after the first large free) returns
+    any large temporary at once. Call before the worker threads exist. Best
+    effort (non-glibc: no-op)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        if not libc.mallopt(_M_ARENA_MAX, n):
+        if not libc.mallopt(_M_ARENA_MAX, MALLOC_ARENAS):
             log.debug("mallopt(M_ARENA_MAX) refused")
+        if not libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD):
+            log.debug("mallopt(M_MMAP_THRESHOLD) refused")
     except (OSError, AttributeError):
         pass
 
 
+class Kind:
+    """`slots` calls of one kind at a time; a call backing off lends its slot out."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self._sem = trio.Semaphore(slots)
+        self._threads = trio.CapacityLimiter(2 * slots)
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        await self._sem.acquire()
+        held = [True]
+
+        def pause(seconds: float) -> None:  # in the worker thread, from store/retry.py
+            trio.from_thread.run(self._pause, held, seconds)
+
+        def call() -> T:
+            with pausing(pause):
+                return fn(*args)
+
+        try:
+            return await trio.to_thread.run_sync(call, limiter=self._threads)
+        finally:
+            if held[0]:
+                self._sem.release()
+
+    async def _pause(self, held: list[bool], seconds: float) -> None:
+        held[0] = False
+        self._sem.release()
+        try:
+            await trio.sleep(seconds)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._sem.acquire()
+            held[0] = True
+
+
 class Workers:
-    def __init__(self, data_threads: int, meta_threads: int, disk_threads: int) -> None:
-        self.data_limiter = trio.CapacityLimiter(data_threads)
-        self.meta_limiter = trio.CapacityLimiter(meta_threads)
-        self.disk_limiter = trio.CapacityLimiter(disk_threads)
+    def __init__(self, *, data: int, upload: int, meta: int, disk: int) -> None:
+        self.kinds = {"data": Kind(data), "upload": Kind(upload), "meta": Kind(meta),
+                      "disk": Kind(disk)}
 
     async def data(self, fn: Callable[..., T], *args: object) -> T:
-        """A bulk store transfer (GET/PUT of object bytes)."""
-        return await trio.to_thread.run_sync(fn, *args, limiter=self.data_limiter)
+        """A ranged GET of object bytes."""
+        return await self.kinds["data"].run(fn, *args)
+
+    async def upload(self, fn: Callable[..., T], *args: object) -> T:
+        """A PUT of object bytes, one part of a multipart upload, or its start/end."""
+        return await self.kinds["upload"].run(fn, *args)
 
     async def meta(self, fn: Callable[..., T], *args: object) -> T:
         """A metadata store request (HEAD, LIST, DELETE, COPY)."""
-        return await trio.to_thread.run_sync(fn, *args, limiter=self.meta_limiter)
+        return await self.kinds["meta"].run(fn, *args)
 
     async def disk(self, fn: Callable[..., T], *args: object) -> T:
-        """Local cache I/O and index updates."""
-        return await trio.to_thread.run_sync(fn, *args, limiter=self.disk_limiter)
+        """Local cache I/O, index updates, other local syscalls."""
+        return await self.kinds["disk"].run(fn, *args)

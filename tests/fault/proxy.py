@@ -33,8 +33,8 @@ from xml.sax.saxutils import escape
 
 import trio
 
-Fault = Literal["500", "503", "reset", "truncate", "latency", "blackhole"]
-FAULTS: frozenset[str] = frozenset({"500", "503", "reset", "truncate", "latency", "blackhole"})
+Fault = Literal["403", "500", "503", "reset", "truncate", "latency", "blackhole"]
+FAULTS: frozenset[str] = frozenset({"403", "500", "503", "reset", "truncate", "latency", "blackhole"})
 OPS: frozenset[str] = frozenset(
     {"get", "head", "put", "multipart", "list", "copy", "delete", "other"}
 )
@@ -46,6 +46,7 @@ _LINGER = 1.0  # seconds to drain a client before closing after an early answer
 _BODY_GRACE = 0.1  # seconds to let the request-body relay finish after the answer
 
 _ERRORS = {
+    "403": ("403 Forbidden", "AccessDenied", "Access Denied."),  # a permanent error
     "500": ("500 Internal Server Error", "InternalError", "We encountered an internal error."),
     "503": ("503 Slow Down", "SlowDown", "Please reduce your request rate."),
 }

@@ -225,7 +225,7 @@ def test_response_framings() -> None:
         server.server_close()
 
 
-@pytest.mark.parametrize(("fault", "code"), [("503", "SlowDown"), ("500", "InternalError")])
+@pytest.mark.parametrize(("fault", "code"), [("503", "SlowDown"), ("500", "InternalError"), ("403", "AccessDenied")])
 def test_error_faults(
     proxy: FaultProxy, client: Any, bucket: str, pre: str, fault: str, code: str
 ) -> None:

@@ -23,13 +23,14 @@ def mount_factory(
     counter = iter(range(1000))
 
     def make(source: str, *extra: str, cache_dir: Path | None = None,
-             mountpoint: Path | None = None, start: bool = True) -> TierfsMount:
+             mountpoint: Path | None = None, start: bool = True,
+             env: dict[str, str] | None = None) -> TierfsMount:
         n = next(counter)
         m = TierfsMount(
             source=source,
             mountpoint=mountpoint or tmp_path / f"mnt{n}",
             cache_dir=cache_dir or tmp_path / f"cache{n}",
-            env={**os.environ, **s3_server.env()},
+            env={**os.environ, **(env or s3_server.env())},
             extra=list(extra),
         )
         made.append(m)

@@ -26,11 +26,13 @@ from tests.support.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedServer
 from tierfs.cache import Cache
 from tierfs.config import DEFAULT_CLASSES, DEFAULT_RULES
 from tierfs.control import socket_path
+from tierfs.health import StoreHealth
 from tierfs.namespace import Namespace
 from tierfs.policy import Policy
 from tierfs.store.base import Listing, ObjectInfo
 from tierfs.store.s3 import _safe_endpoint
 from tierfs.workers import Workers
+from tierfs.writeback.journal import Journal
 
 MiB = 1 << 20
 ODD_KEYS = ["dir/evil name;$(id)`x`.bin", "dir/ünï cødé.bin", "dir/a\nb.bin", "dir/tab\tc.bin"]
@@ -180,7 +182,9 @@ def test_hostile_keys_in_a_listing_are_skipped_or_served_safely(tmp_path: Path) 
     cache.bind("test|hostile")
     try:
         ns = Namespace(store=None, cache=cache, policy=Policy(DEFAULT_RULES, DEFAULT_CLASSES, "default"),  # type: ignore[arg-type]
-                       workers=Workers(data_threads=1, meta_threads=1, disk_threads=1))
+                       workers=Workers(data=1, upload=1, meta=1, disk=1),
+                       health=StoreHealth(probe_every=5.0), overlay=Journal(),
+                       on_changed=lambda inode: None, on_gone=lambda parent, name: None)
         root = ns.get(1)
 
         def info(key: str) -> ObjectInfo:

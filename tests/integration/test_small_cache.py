@@ -242,12 +242,12 @@ def test_internal_error_leaves_a_dead_mount_not_a_bare_directory(
     env = {**os.environ, **s3_server.env()}
     code = (
         "import os, sys, trio\n"
-        "import tierfs.namespace as ns\n"
-        "async def boom(self, interval=5.0):\n"
+        "import tierfs.health as health\n"
+        "async def boom(self, probe):\n"
         f"    while not os.path.ismount({str(mp)!r}): await trio.sleep(0.05)\n"
         "    await trio.sleep(0.5)\n"
         "    raise RuntimeError('injected internal error')\n"
-        "ns.Namespace.watch_store = boom\n"
+        "health.StoreHealth.watch = boom\n"
         "from tierfs.cli import main\n"
         f"sys.exit(main(['mount', 's3://{bucket}', {str(mp)!r}, '--foreground', "
         f"'--cache-dir', {str(cache)!r}]))\n"

@@ -123,11 +123,8 @@ def _open_for_write(rig: Rig) -> int:
     return int(pending["open_for_write"])
 
 
-# Not strict: item 1 is a race (flush vs the rename-before-close), seen in some runs only
-# (10 of 10 saves on a loaded machine, 0 of 7 on a quiet one); a strict mark would flake.
-@pytest.mark.xfail(strict=False, reason="issue 15 item 1: safetensors renames its temp file before "
-                   "closing it; flush may return before the upload, and the daemon may keep "
-                   "counting the file open for write")
+# Issue 15 item 1: safetensors renames its temp file before closing it; on the old write
+# path flush could return before the upload (a race: 10 of 10 saves on a loaded machine).
 def test_safetensors_save_then_flush_is_in_the_bucket(rig: Rig) -> None:
     """flush is the remote durability barrier: right after save_file returns, a
     flush leaves the file in the bucket, and nothing stays open for write."""
@@ -176,8 +173,7 @@ def test_trainer_style_checkpoint_directory_rename(rig: Rig, tier: str) -> None:
         [f"out/checkpoint-500/{n}" for n in files]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15 item 2: close() of a file unlinked while open "
-                   "fails with EIO, and TemporaryFile is exactly that")
+# Issue 15 item 2: close() of a file unlinked while open failed with EIO; TemporaryFile is that.
 def test_tempfile_temporaryfile(rig: Rig) -> None:
     payload = os.urandom(3 * MiB)
     with tempfile.TemporaryFile(dir=rig.root) as f:  # created, unlinked at once, then used

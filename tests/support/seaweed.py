@@ -22,6 +22,9 @@ from pathlib import Path
 
 ACCESS_KEY = "tierfsadmin"
 SECRET_KEY = "tierfssecret"
+# A second identity that may read and list but not write: a real AccessDenied on PUT.
+READONLY_ACCESS_KEY = "tierfsreader"
+READONLY_SECRET_KEY = "tierfsreadersecret"
 
 
 def weed_binary() -> str:
@@ -86,6 +89,11 @@ class SeaweedServer:
             "AWS_EC2_METADATA_DISABLED": "true",
         }
 
+    def readonly_env(self) -> dict[str, str]:
+        """As env(), with credentials that can read and list but not write."""
+        return {**self.env(), "AWS_ACCESS_KEY_ID": READONLY_ACCESS_KEY,
+                "AWS_SECRET_ACCESS_KEY": READONLY_SECRET_KEY}
+
     def client(self):  # -> botocore client; typed loosely to keep boto3 optional here
         import boto3
         from botocore.config import Config
@@ -119,7 +127,14 @@ class SeaweedServer:
                                 {"accessKey": self.access_key, "secretKey": self.secret_key}
                             ],
                             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-                        }
+                        },
+                        {
+                            "name": "reader",
+                            "credentials": [
+                                {"accessKey": READONLY_ACCESS_KEY, "secretKey": READONLY_SECRET_KEY}
+                            ],
+                            "actions": ["Read", "List"],
+                        },
                     ]
                 }
             )

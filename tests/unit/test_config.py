@@ -50,6 +50,7 @@ def test_example_config_loads_and_means_what_it_says() -> None:
     # [read] readahead is the window of every class that does not set its own
     assert {c.readahead_max for c in cfg.classes.values()} == {64 * MiB}
     assert cfg.metrics_addr == "127.0.0.1:9464"
+    assert cfg.memory_budget == 256 * MiB and cfg.max_parallel_puts == 8
     assert math.isinf(cfg.classes["dataset"].list_ttl)
     assert [n for n, c in cfg.classes.items() if c.direct_writes] == ["checkpoint"]
     assert cfg.classes["manifest"] == replace(DEFAULT_CLASSES["manifest"], readahead_max=64 * MiB)

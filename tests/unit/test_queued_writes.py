@@ -9,8 +9,9 @@ import os
 import pytest
 import trio
 
+from tierfs.budget import MemoryBudget
 from tierfs.cache import Cache, Entry
-from tierfs.queued_writes import COALESCE, QueuedWrites, WriteQueue
+from tierfs.writeback.queue import COALESCE, QueuedWrites, WriteQueue
 
 KiB = 1 << 10
 
@@ -36,7 +37,7 @@ async def test_writes_apply_in_order_joined_and_reads_wait(cache: Cache) -> None
     applied = Applied()
     data = os.urandom(3 * COALESCE)
     async with trio.open_nursery() as nursery:
-        qw = QueuedWrites(nursery, applied, limit=4 * COALESCE)
+        qw = QueuedWrites(nursery, applied, limit=4 * COALESCE, budget=MemoryBudget(1 << 30))
         q = WriteQueue(entry)
         for off in range(0, len(data), 8 * KiB):  # a stream of small writes
             await qw.submit(q, entry, off, data[off : off + 8 * KiB])
@@ -61,7 +62,7 @@ async def test_queued_bytes_stay_under_the_cap(cache: Cache) -> None:
         await trio.to_thread.run_sync(e.write, off, data)
 
     async with trio.open_nursery() as nursery:
-        qw = QueuedWrites(nursery, slow, limit=256 * KiB)
+        qw = QueuedWrites(nursery, slow, limit=256 * KiB, budget=MemoryBudget(1 << 30))
         q = WriteQueue(entry)
         for i in range(64):
             await qw.submit(q, entry, i * 64 * KiB, bytes([i]) * 64 * KiB)
@@ -77,7 +78,8 @@ async def test_a_failed_write_sticks_to_its_handle(cache: Cache) -> None:
     other = cache.open("ckpt/d.pt", "", 0, 0.0)
     applied = Applied(fail_at=2 * 128 * KiB + 10)  # the third write fails
     async with trio.open_nursery() as nursery:
-        qw = QueuedWrites(nursery, applied, limit=1 << 30)
+        budget = MemoryBudget(1 << 30)
+        qw = QueuedWrites(nursery, applied, limit=1 << 30, budget=budget)
         q, q2 = WriteQueue(entry), WriteQueue(other)
         for i in range(8):  # gaps between writes: none are joined
             await qw.submit(q, entry, i * 128 * KiB, b"w" * 64 * KiB)
@@ -92,6 +94,7 @@ async def test_a_failed_write_sticks_to_its_handle(cache: Cache) -> None:
             await qw.drain(q)
         await qw.drain(q2)  # another handle is not affected
     assert qw.queued_bytes == 0  # what was queued behind the failure is dropped
+    assert budget.used == 0  # and its memory is given back
     assert [off for key, off, _ in applied.calls if key == entry.key] == [0, 128 * KiB, 256 * KiB]
     assert other.read(0, 4) == b"fine"
     cache.release(entry)

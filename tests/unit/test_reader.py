@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import trio
 
+from tierfs.budget import BufferPool, MemoryBudget
 from tierfs.cache import Cache, Entry
-from tierfs.reader import SMALL_READ, STREAM_SLACK, Reader, ReadState
+from tierfs.read.reader import SERVE_BUFFER, Reader
+from tierfs.read.streams import SMALL_READ, STREAM_SLACK, ReadState
 from tierfs.store import LocalStore
 from tierfs.workers import Workers
 
@@ -123,9 +125,12 @@ async def until_empty(pending: set | dict, limit: float = 10.0) -> None:
 
 
 def make_reader(store: Recorded, nursery: trio.Nursery, **kw: int) -> Reader:
-    kw = {"part_size": PART, "cache_capacity": 1 << 30, **kw}
-    return Reader(store, Workers(4, 1, 4), nursery, readahead_min=CS,  # type: ignore[arg-type]
-                  chunk_size=CS, **kw)
+    kw = {"part_size": PART, "cache_capacity": 1 << 30, "landed_bytes": 64 << 20, **kw}
+    budget = MemoryBudget(256 << 20)
+    return Reader(store, Workers(data=4, upload=1, meta=1, disk=4), nursery,  # type: ignore[arg-type]
+                  budget=budget, parts=BufferPool(budget, kw["part_size"], keep=8),
+                  serve=BufferPool(budget, SERVE_BUFFER, keep=8), readahead_min=CS,
+                  chunk_size=CS, observe_read=lambda tier, n: None, prefetch_parallel=4, **kw)
 
 
 async def test_claim_splits_into_parts_and_shares_flights(cache: Cache, store: Recorded) -> None:

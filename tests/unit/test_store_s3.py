@@ -16,6 +16,7 @@ import pytest
 from tests.fault.proxy import FaultProxy, Rule
 from tests.support.seaweed import SeaweedServer
 from tierfs.store import Listing, S3Store, StoreError, open_store, parse_source
+from tierfs.store.base import part_size_for
 
 MiB = 1 << 20
 
@@ -240,9 +241,9 @@ def test_uploads_do_not_hash_the_payload(store: S3Store, tmp_path: Path) -> None
 
 
 def test_part_size_grows_to_fit_10000_parts() -> None:
-    assert S3Store._part_size_for(20 * MiB, 1 * MiB) == 5 * MiB  # S3's minimum part
-    assert S3Store._part_size_for(50 << 30, 8 * MiB) == 8 * MiB
-    part = S3Store._part_size_for(100 << 30, 8 * MiB)
+    assert part_size_for(20 * MiB, 1 * MiB) == 5 * MiB  # S3's minimum part
+    assert part_size_for(50 << 30, 8 * MiB) == 8 * MiB
+    part = part_size_for(100 << 30, 8 * MiB)
     assert part % MiB == 0 and -(-(100 << 30) // part) <= 10_000 and part < 12 * MiB
 
 

@@ -7,8 +7,8 @@ every call is short. Layout of the cache dir (0700):
   index.lmdb/   records, chunk checksums, eviction order (index.py)
   objects/<fid> one sparse file per object, same offsets as in the store (objects.py)
 
-Locks, in the only order they nest: Entry._mu, an LMDB write transaction,
-Cache._lock (a leaf: in-memory work only). Cache._evict_mu is taken with no
+Locks, in the only order they nest: Entry._io, an LMDB write transaction,
+Entry._mu, Cache._lock (a leaf: in-memory work only). Cache._evict_mu is taken with no
 other lock held. A key being loaded, evicted, removed or renamed is "claimed"
 (in `_busy`), which keeps opens and last releases of it waiting meanwhile.
 """
@@ -45,6 +45,7 @@ from tierfs.cache.index import (
 )
 from tierfs.cache.objects import ChunkCorrupt, Entry, nchunks
 from tierfs.cache.space import punch_hole
+from tierfs.config import CHUNK_SIZE, MIN_FREE_DEFAULT
 
 FREE_RECHECK = 0.5  # seconds between statvfs calls of the free-space floor
 FREE_RECHECK_BYTES = 64 << 20  # ...or sooner, after this much growth of our own
@@ -62,6 +63,7 @@ __all__ = [
 
 _FID_NAME = re.compile(r"[0-9a-f]{32}")
 _STASH_BYTES = 16 << 20  # verified bitmaps kept for closed objects (1 byte per chunk)
+PAGE_STASH_OBJECTS = 4096  # closed objects whose fetched pages are remembered
 
 
 class CacheBusy(Exception):
@@ -99,8 +101,8 @@ class Cache:
         root: Path | str,
         *,
         capacity: int,
-        chunk_size: int = 1 << 20,
-        min_free: int = 1 << 30,
+        chunk_size: int = CHUNK_SIZE,
+        min_free: int = MIN_FREE_DEFAULT,
     ) -> None:
         if capacity <= 0 or chunk_size <= 0 or min_free < 0:
             raise ValueError("capacity and chunk_size must be positive, min_free not negative")
@@ -110,17 +112,17 @@ class Cache:
         self.min_free = min_free
         self._lock_fd = self._take_dir()
         try:
-            self._index = Index(self.root / "index.lmdb")
+            self.index = Index(self.root / "index.lmdb")
         except (OSError, lmdb.Error) as e:
             os.close(self._lock_fd)
             raise CacheUnwritable(f"cache dir {self.root}: cannot open index.lmdb: {e}") from None
         try:
-            with self._index.write() as wt:
+            with self.index.write() as wt:
                 if wt.meta(b"version") is None:
                     wt.set_meta(b"version", FORMAT_VERSION.to_bytes(4, "big"))
                     wt.set_meta(b"chunk_size", chunk_size.to_bytes(8, "big"))
-                version = int.from_bytes(wt.meta(b"version"), "big")
-                self.chunk_size = int.from_bytes(wt.meta(b"chunk_size"), "big")
+                version = int.from_bytes(wt.meta(b"version") or b"", "big")
+                self.chunk_size = int.from_bytes(wt.meta(b"chunk_size") or b"", "big")
                 identity = wt.meta(b"identity")
             if version != FORMAT_VERSION:
                 raise CacheUnwritable(
@@ -128,7 +130,7 @@ class Cache:
                     f"(this tierfs writes {FORMAT_VERSION}); move the directory away"
                 )
         except BaseException as e:
-            self._index.close()
+            self.index.close()
             os.close(self._lock_fd)
             if isinstance(e, OSError):
                 raise CacheUnwritable(
@@ -136,7 +138,7 @@ class Cache:
                 ) from None
             raise
         self._identity = None if identity is None else identity.decode()
-        self._used = self._index.counter(b"used")
+        self._used = self.index.counter(b"used")
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._open: dict[bytes, Entry] = {}
@@ -145,7 +147,7 @@ class Cache:
         self._stashed_bytes = 0
         # Pages of absent chunks fetched by small random reads (Entry._pages) of
         # closed objects, for their next open; dropped with the file (`_unlink`).
-        self.page_stash: OrderedDict[bytes, dict[int, int]] = OrderedDict()
+        self._page_stash: OrderedDict[bytes, dict[int, int]] = OrderedDict()
         self._evict_mu = threading.Lock()
         self._free_seen = (-FREE_RECHECK - 1.0, 0, 0)  # (monotonic, free bytes, used then)
         self._evictions = self._evicted_bytes = self._corrupt = 0
@@ -206,7 +208,7 @@ class Cache:
             for e in entries:
                 e._close(persist=True)
         finally:
-            self._index.close()
+            self.index.close()
             os.close(self._lock_fd)
 
     # -- identity ----------------------------------------------------------------
@@ -220,21 +222,21 @@ class Cache:
                 raise RuntimeError("Cache.bind() while entries are open")
         if self._identity == identity:
             return True
-        if self._identity is not None or self._index.count():
-            pending = sum(1 for _, rec in self._index.records() if rec.state != CLEAN)
+        if self._identity is not None or self.index.count():
+            pending = sum(1 for _, rec in self.index.records() if rec.state != CLEAN)
             if pending:
                 raise CacheConflict(
                     f"cache dir {self.root} holds {pending} pending upload(s) of another source "
                     f"({self._identity}); flush them with that source mounted, or move the dir away"
                 )
-        with self._index.write() as wt:
+        with self.index.write() as wt:
             wt.wipe()
             wt.set_meta(b"identity", identity.encode())
-        self._account(wt.used_delta)
+        self.account(wt.used_delta)
         with self._lock:
             self._stashed.clear()
             self._stashed_bytes = 0
-            self.page_stash.clear()
+            self._page_stash.clear()
         with os.scandir(self.objects_dir) as it:
             for de in it:
                 self._unlink(de.name)
@@ -249,19 +251,19 @@ class Cache:
             e = self._open.get(kh)
         if e is not None:
             return e.describe()
-        rec = self._index.record(kh)
+        rec = self.index.record(kh)
         return None if rec is None else rec.public()
 
     def iter_objects(self, prefix: str = "") -> Iterator[CachedObject]:
         """Every cached object whose key starts with `prefix` (a full index scan)."""
-        for kh, rec in self._index.records():
+        for kh, rec in self.index.records():
             if rec.key.startswith(prefix):
                 with self._lock:
                     e = self._open.get(kh)
                 yield rec.public() if e is None else e.describe()
 
     def stats(self) -> CacheStats:
-        objects = self._index.count()
+        objects = self.index.count()
         with self._lock:
             return CacheStats(
                 used_bytes=self._used,
@@ -293,10 +295,22 @@ class Cache:
         unknown. Not a use for eviction (the uploader and recovery open this way)."""
         return self._acquire(key, None, touch=False)
 
+    def held(self, key: str) -> Entry | None:
+        """The entry of `key` if it is open right now (a reference is taken: release
+        it), else None. Not a use for eviction."""
+        kh = key_hash(key)
+        with self._lock:
+            while kh in self._busy:
+                self._cond.wait()
+            e = self._open.get(kh)
+            if e is not None:
+                e._refs += 1
+            return e
+
     def reclaim(self) -> None:
         """Evict clean data until within capacity and above the free-space floor
         (before retrying a local write that hit ENOSPC)."""
-        self._make_room(None)
+        self.make_room(None)
 
     def release(self, entry: Entry) -> None:
         with self._lock:
@@ -352,7 +366,7 @@ class Cache:
         self, kh: bytes, key: str, want: tuple[str, int, float] | None, touch_ns: int | None
     ) -> Entry | None:
         """Build the entry of a claimed key from its record (or a new record)."""
-        rec = self._index.record(kh)
+        rec = self.index.record(kh)
         if (
             rec is not None
             and want is not None
@@ -385,7 +399,7 @@ class Cache:
             states = self._unstash(rec.fid, n)
             if states is None:
                 states = bytearray(n)
-                for i in self._index.present_chunks(rec.fid):
+                for i in self.index.present_chunks(rec.fid):
                     if i < n:
                         states[i] = STORED
             if os.fstat(fd).st_size != rec.size:
@@ -393,13 +407,14 @@ class Cache:
                 os.ftruncate(fd, 0)
                 os.ftruncate(fd, rec.size)
                 with self._lock:
-                    self.page_stash.pop(rec.fid, None)
-                with self._index.write() as wt:
+                    self._page_stash.pop(rec.fid, None)
+                with self.index.write() as wt:
                     cur = wt.record(kh)
+                    assert cur is not None  # the key is claimed: nobody else drops it
                     wt.drop_all_chunks(rec.fid)
                     rec = replace(cur, cached=0)
                     wt.put(kh, cur, rec)
-                self._account(wt.used_delta)
+                self.account(wt.used_delta)
                 states = bytearray(n)
             return Entry(
                 self,
@@ -426,7 +441,7 @@ class Cache:
         name = "\0".join((self._identity, key, etag)).encode("utf-8", "surrogateescape")
         fid = xxhash.xxh3_128_digest(name + os.urandom(8))
         rec = Record(fid, key, etag, size, mtime, 0, now, now, CLEAN, PROBATION)
-        with self._index.write() as wt:
+        with self.index.write() as wt:
             wt.put(kh, None, rec)
         fd = os.open(
             self.objects_dir / fid.hex(), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600
@@ -461,11 +476,11 @@ class Cache:
                     return False
                 self._count_eviction(freed)
                 return True
-            with self._index.write() as wt:
+            with self.index.write() as wt:
                 rec = wt.record(kh)
                 if rec is not None and rec.state == CLEAN:
                     wt.drop(kh, rec)
-            self._account(wt.used_delta)
+            self.account(wt.used_delta)
             if rec is None or rec.state != CLEAN:
                 return False
             self._unlink(rec.fid.hex())
@@ -491,14 +506,14 @@ class Cache:
         first, second = sorted((okh, nkh))
         with self._claimed(first) as e1, self._claimed(second) as e2:
             src, dst = (e1, e2) if first == okh else (e2, e1)
-            if src is None and self._index.record(okh) is None:
+            if src is None and self.index.record(okh) is None:
                 return False
             if dst is not None:
                 self._detach(dst)
             else:
                 self._drop(nkh)
-            with src._mu if src is not None else nullcontext():
-                with self._index.write() as wt:
+            with src._io if src is not None else nullcontext():
+                with self.index.write() as wt:
                     rec = wt.record(okh)
                     assert rec is not None
                     wt.put(okh, rec, None)
@@ -513,11 +528,11 @@ class Cache:
 
     def _drop(self, kh: bytes) -> Record | None:
         """Forget a claimed, unopened object: records first, then its file."""
-        with self._index.write() as wt:
+        with self.index.write() as wt:
             rec = wt.record(kh)
             if rec is not None:
                 wt.drop(kh, rec)
-        self._account(wt.used_delta)
+        self.account(wt.used_delta)
         if rec is not None:
             self._unlink(rec.fid.hex())
         return rec
@@ -538,7 +553,7 @@ class Cache:
             if states is not None:
                 self._stashed_bytes -= len(states)
             if _FID_NAME.fullmatch(name):
-                self.page_stash.pop(bytes.fromhex(name), None)
+                self._page_stash.pop(bytes.fromhex(name), None)
         (self.objects_dir / name).unlink(missing_ok=True)
 
     # -- integrity -------------------------------------------------------------------
@@ -547,14 +562,14 @@ class Cache:
         """Check every checksummed chunk of every object against its file, drop the
         bad ones, and remove files no record names. Returns [(key, bad chunks)]."""
         report = []
-        for _, rec in self._index.records():
+        for _, rec in self.index.records():
             if rec.state == DIRTY:
                 continue
             e = self._acquire(rec.key, None, touch=False)
             if e is None:
                 continue
             try:
-                bad = e._verify()
+                bad = e.verify()
             finally:
                 self.release(e)
             if bad:
@@ -568,7 +583,7 @@ class Cache:
         in the background, not on the mount path."""
         with os.scandir(self.objects_dir) as it:
             names = {de.name for de in it if _FID_NAME.fullmatch(de.name)}
-        for _, rec in self._index.records():
+        for _, rec in self.index.records():
             names.discard(rec.fid.hex())
         for name in names:
             self._unlink(name)
@@ -593,7 +608,7 @@ class Cache:
             self._free_seen = (now, free, used_then)
         return max(over, self.min_free - (free - max(0, used - used_then)))
 
-    def _make_room(self, current: Entry | None) -> None:
+    def make_room(self, current: Entry | None) -> None:
         """Evict until within bounds: whole unopened objects in policy order, then
         chunks of open ones (`current` first: a file bigger than the cache sheds its
         own past), never dirty or sealed data."""
@@ -618,7 +633,7 @@ class Cache:
                         return
 
     def _claim_victim(self) -> tuple[bytes, bytes] | None:
-        for okey in self._index.order_keys():
+        for okey in self.index.order_keys():
             kh = okey[9:]
             with self._lock:
                 if kh in self._open or kh in self._busy:
@@ -629,14 +644,14 @@ class Cache:
 
     def _evict_claimed(self, okey: bytes, kh: bytes) -> int:
         try:
-            with self._index.write() as wt:
+            with self.index.write() as wt:
                 rec = wt.record(kh)
                 if rec is None or rec.state != CLEAN or order_key(kh, rec) != okey:
                     wt.delete_order_key(okey)  # left over from a lost transaction
                     rec = None
                 else:
                     wt.drop(kh, rec)
-            self._account(wt.used_delta)
+            self.account(wt.used_delta)
         finally:
             self._unclaim(kh)
         if rec is None:
@@ -665,7 +680,7 @@ class Cache:
             self._busy.discard(kh)
             self._cond.notify_all()
 
-    def _account(self, delta: int) -> None:
+    def account(self, delta: int) -> None:
         if delta:
             with self._lock:
                 self._used += delta
@@ -675,11 +690,11 @@ class Cache:
             self._evictions += 1
             self._evicted_bytes += nbytes
 
-    def _count_corrupt(self, n: int) -> None:
+    def count_corrupt(self, n: int) -> None:
         with self._lock:
             self._corrupt += n
 
-    def _stash(self, fid: bytes, states: bytearray) -> None:
+    def stash(self, fid: bytes, states: bytearray) -> None:
         """Keep a closed object's bitmap, verified marks included, for its next open.
         Sound because a closed object's chunks only change by dropping it whole,
         which discards the stash (`_unlink`)."""
@@ -689,6 +704,17 @@ class Cache:
             self._stashed[fid] = states
             while self._stashed_bytes > _STASH_BYTES:
                 self._stashed_bytes -= len(self._stashed.popitem(last=False)[1])
+
+    def take_pages(self, fid: bytes) -> dict[int, int]:
+        """The fetched pages an object had when it was last closed (Entry._pages)."""
+        with self._lock:
+            return self._page_stash.pop(fid, None) or {}
+
+    def keep_pages(self, fid: bytes, pages: dict[int, int]) -> None:
+        with self._lock:
+            self._page_stash[fid] = pages
+            while len(self._page_stash) > PAGE_STASH_OBJECTS:
+                self._page_stash.popitem(last=False)
 
     def _unstash(self, fid: bytes, n: int) -> bytearray | None:
         with self._lock:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import threading
 
 ALIGN = 4096
 
@@ -62,30 +61,3 @@ def pwrite_direct(dfd: int, fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
     if data:
         pwrite_all(fd, data, offset)
-
-
-class BufferPool:
-    """Reused aligned buffers of one size: no page faults per request (fresh 1-8 MiB
-    buffers cost a fault per 4 KiB page), and the alignment O_DIRECT needs.
-    Requests larger than `size` get a buffer of their own. At most `keep` idle
-    buffers are held; how many are in use is bounded by the callers' limiters."""
-
-    def __init__(self, size: int, keep: int) -> None:
-        self.size = size
-        self.keep = keep
-        self._free: list[memoryview] = []
-        self._mu = threading.Lock()
-
-    def take(self, n: int) -> memoryview:
-        if n > self.size:
-            return aligned_buffer(-(-n // ALIGN) * ALIGN)
-        with self._mu:
-            if self._free:
-                return self._free.pop()
-        return aligned_buffer(self.size)
-
-    def give(self, buf: memoryview) -> None:
-        if len(buf) == self.size:
-            with self._mu:
-                if len(self._free) < self.keep:
-                    self._free.append(buf)

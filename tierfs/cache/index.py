@@ -52,6 +52,11 @@ _I64 = struct.Struct("<q")
 RESERVE = 8 << 20  # bytes held past the end of data.mdb for the index to grow into
 
 
+def _bytes(raw: bytes | memoryview) -> bytes:
+    """An LMDB value: bytes already (the environment does not use buffers=True)."""
+    return raw if isinstance(raw, bytes) else bytes(raw)
+
+
 def key_hash(key: str) -> bytes:
     return xxhash.xxh3_128_digest(key.encode("utf-8", "surrogateescape"))
 
@@ -142,10 +147,11 @@ class WriteTxn:
 
     def record(self, kh: bytes) -> Record | None:
         raw = self.txn.get(kh, db=self.ix.objects)
-        return None if raw is None else Record.decode(raw)
+        return None if raw is None else Record.decode(_bytes(raw))
 
     def meta(self, name: bytes) -> bytes | None:
-        return self.txn.get(name, db=self.ix.meta)
+        raw = self.txn.get(name, db=self.ix.meta)
+        return None if raw is None else _bytes(raw)
 
     def set_meta(self, name: bytes, value: bytes) -> None:
         self.txn.put(name, value, db=self.ix.meta)
@@ -282,7 +288,7 @@ class Index:
     def record(self, kh: bytes) -> Record | None:
         with self.read() as txn:
             raw = txn.get(kh, db=self.objects)
-        return None if raw is None else Record.decode(raw)
+        return None if raw is None else Record.decode(_bytes(raw))
 
     def counter(self, name: bytes) -> int:
         with self.read() as txn:
@@ -295,7 +301,7 @@ class Index:
             for i in indexes:
                 d = txn.get(chunk_key(fid, i), db=self.chunks)
                 if d is not None:
-                    out[i] = d
+                    out[i] = _bytes(d)
             return out
 
     def present_chunks(self, fid: bytes) -> Iterator[int]:
@@ -313,14 +319,14 @@ class Index:
         """Every record, read in short transactions so a slow consumer pins no pages."""
         after = b""
         while True:
-            rows = []
+            rows: list[tuple[bytes, Record]] = []
             with self.read() as txn:
                 cur = txn.cursor(db=self.objects)
                 found = cur.set_range(after) if after else cur.first()
                 if found and after and cur.key() == after:
                     found = cur.next()
                 while found and len(rows) < batch:
-                    rows.append((bytes(cur.key()), Record.decode(cur.value())))
+                    rows.append((bytes(cur.key()), Record.decode(_bytes(cur.value()))))
                     found = cur.next()
             yield from rows
             if len(rows) < batch:
@@ -330,7 +336,8 @@ class Index:
     def order_keys(self) -> Iterator[bytes]:
         """The eviction order, least valuable first (probation before protected, by rank)."""
         with self.read() as txn:
-            yield from txn.cursor(db=self.order).iternext(values=False)
+            for okey in txn.cursor(db=self.order).iternext(values=False):
+                yield _bytes(okey)
 
     def count(self) -> int:
         with self.read() as txn:

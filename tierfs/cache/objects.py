@@ -5,11 +5,19 @@ absent chunks are holes. An Entry is the shared, ref-counted handle of one open
 object: a kept-open fd plus an in-memory chunk-state bitmap, so serving a read is
 a bitmap check and one preadv, with no LMDB write and no global lock.
 
-Locking: `_mu` guards the bitmap, the pins and the mirrored record fields. Read
-and store I/O happen outside it; the chunks involved are pinned meanwhile, so
-eviction never punches a hole under a pread/pwrite. Write-back (dirty) I/O runs
-under `_mu`, which keeps the file length and the bitmap in step. Lock order:
-Entry._mu, then an LMDB write transaction, then Cache._lock (a leaf).
+Locking, two locks per entry:
+- `_mu` guards the in-memory state (bitmap, pins, size, state, mirrored record
+  fields) and is only ever held for in-memory work: the trio loop takes it (to
+  ask what is missing) and must never wait behind a disk.
+- `_io` serializes what changes the entry with I/O: local writes, truncate,
+  sealing (fsync, checksums), going dirty (verifying what stays), punching
+  chunks out, the index updates of a store, detaching, the last release. The
+  loop never takes it. Such a change marks its state under `_mu`, does its I/O
+  with `_mu` released, and publishes the result under `_mu`.
+Reads and stores pin their chunks under `_mu`, so eviction never punches a
+hole under a pread/pwrite; chunks being punched are held back from new stores
+(`_discarding`). Lock order: `_io`, an LMDB write transaction, `_mu`, then
+Cache._lock (a leaf).
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 import xxhash
 
@@ -41,13 +50,32 @@ from tierfs.cache.index import (
     VERIFIED,
     WRITTEN,
     CachedObject,
+    Index,
     Record,
     WriteTxn,
 )
 from tierfs.cache.space import punch_hole, start_writeback
 
-if TYPE_CHECKING:
-    from tierfs.cache import Cache
+
+class Home(Protocol):
+    """What an Entry needs of the Cache holding it (cache/__init__.py)."""
+
+    chunk_size: int
+    capacity: int
+    objects_dir: Path
+    index: Index
+
+    def account(self, delta: int) -> None: ...
+
+    def make_room(self, current: Entry | None) -> None: ...
+
+    def count_corrupt(self, n: int) -> None: ...
+
+    def stash(self, fid: bytes, states: bytearray) -> None: ...
+
+    def take_pages(self, fid: bytes) -> dict[int, int]: ...
+
+    def keep_pages(self, fid: bytes, pages: dict[int, int]) -> None: ...
 
 
 class ChunkCorrupt(Exception):
@@ -64,7 +92,6 @@ _ABSENT_RUN = re.compile(bytes((ABSENT,)) + b"+")
 _CHECKSUMMED = (STORED, VERIFIED)
 WRITE_BEHIND = 16 << 20  # dirty bytes behind a writer before their writeback starts
 PAGE = 4096  # granularity of `store_pages` (small random reads)
-PAGE_STASH_OBJECTS = 4096  # closed objects whose fetched pages are remembered
 
 
 def _pread(fd: int, length: int, offset: int) -> bytes:
@@ -90,16 +117,16 @@ def _preadv(fd: int, buf: memoryview, offset: int) -> int:
 
 def _runs(indexes: Iterable[int]) -> Iterator[tuple[int, int]]:
     """Coalesce chunk indexes into half-open runs [a, b)."""
-    start = prev = None
+    run: list[int] | None = None  # [start, end)
     for i in sorted(indexes):
-        if prev is not None and i == prev + 1:
-            prev = i
+        if run is not None and i == run[1]:
+            run[1] = i + 1
             continue
-        if start is not None:
-            yield start, prev + 1
-        start = prev = i
-    if start is not None:
-        yield start, prev + 1
+        if run is not None:
+            yield run[0], run[1]
+        run = [i, i + 1]
+    if run is not None:
+        yield run[0], run[1]
 
 
 def nchunks(size: int, chunk_size: int) -> int:
@@ -114,7 +141,7 @@ class Entry:
 
     def __init__(
         self,
-        cache: Cache,
+        cache: Home,
         kh: bytes,
         rec: Record,
         fd: int,
@@ -136,11 +163,15 @@ class Entry:
         self._fid = rec.fid
         self._fd = fd
         self._dfd: int | None = None  # O_DIRECT twin of _fd, opened on first use
-        self._mu = threading.Lock()
+        self._mu = threading.Lock()  # in-memory state only (see the module docstring)
+        self._io = threading.Lock()  # changes that do I/O; never taken on the trio loop
         self._states = states
         self._pins: dict[int, int] = {}
         self._storing = 0  # store() calls in flight: going dirty waits for them
+        self._dirtying = 0  # going dirty: no new store() may start meanwhile
         self._stores_done = threading.Condition(self._mu)
+        self._discarding: set[int] = set()  # chunks being punched out: no store() into them
+        self._discards_done = threading.Condition(self._mu)
         self._refs = 1
         self._state = rec.state
         self._cached = cached  # bytes held: the record's count plus `_pending`
@@ -150,18 +181,24 @@ class Entry:
         self._touched = touch_ns is not None  # opened as a use (counts for eviction)
         self._reused = reused
         self._access_ns = rec.access_ns if touch_ns is None else touch_ns
-        self._sums: dict[int, bytes] = {}  # dirty: digests of chunks rewritten whole
-        self._hashers: dict[int, tuple[xxhash.xxh3_64, int]] = {}  # dirty: chunk -> (hash, bytes)
-        self._behind = 0  # dirty: writeback started for [0, _behind) (see write)
+        # Guarded by `_io`: running checksums of a dirty entry's chunks.
+        self._sums: dict[int, bytes] = {}  # digests of chunks rewritten whole
+        self._hashers: dict[int, tuple[xxhash.xxh3_64, int]] = {}  # chunk -> (hash, bytes)
+        self._behind = 0  # writeback started for [0, _behind) (see write)
         # Absent chunk -> bitmask of its PAGE-sized pages fetched by small random reads
         # (`store_pages`). Memory only: not checksummed, not persisted, not counted in
         # `cached`; gone at the last release or once the whole chunk is stored.
-        with cache._lock:
-            self._pages: dict[int, int] = cache.page_stash.pop(rec.fid, None) or {}
+        self._pages: dict[int, int] = cache.take_pages(rec.fid)
 
     @property
     def state(self) -> str:
         return STATE_NAMES[self._state]
+
+    @property
+    def detached(self) -> bool:
+        """Removed from the cache while open (unlinked, or replaced by a newer
+        version): still usable by its holders, never uploaded or kept."""
+        return self._detached
 
     @property
     def closed(self) -> bool:
@@ -235,6 +272,27 @@ class Entry:
                 out.append((run * PAGE, min(-(-end // PAGE) * PAGE, size)))
         return out
 
+    def servable_now(self, start: int, end: int) -> bool:
+        """Whether [start, end) can be served by a plain pread with nothing to verify:
+        every chunk verified or written here, or held as pages (`store_pages`). Only
+        such a read may run on the trio loop (`read_pages`)."""
+        cs = self.chunk_size
+        per = cs // PAGE
+        with self._mu:
+            start, end = max(start, 0), min(end, self.size)
+            for c in range(start // cs, (end - 1) // cs + 1 if start < end else 0):
+                s = self._states[c]
+                if s in (VERIFIED, WRITTEN):
+                    continue
+                if s != ABSENT:
+                    return False
+                mask = self._pages.get(c, 0)
+                lo, hi = max(start, c * cs), min(end, (c + 1) * cs)
+                for p in range(lo // PAGE, -(-hi // PAGE)):
+                    if not (mask >> (p % per)) & 1:
+                        return False
+        return True
+
     def store_pages(self, offset: int, data: bytes | bytearray | memoryview) -> None:
         """Cache the bytes of a small random read: `offset` PAGE-aligned, `data` whole
         pages (the last may end at EOF). They serve `read_pages` until the last release
@@ -255,11 +313,7 @@ class Entry:
                     if self._states[c] == ABSENT:
                         self._pages[c] = self._pages.get(c, 0) | (1 << (p % per))
         finally:
-            with self._mu:
-                self._unpin(lo, hi)
-                self._storing -= 1
-                if not self._storing:
-                    self._stores_done.notify_all()
+            self._end_store(lo, hi)
 
     def read_pages(self, offset: int, length: int) -> bytes:
         """`read` that also serves pages held by `store_pages` (KeyError if any byte is
@@ -335,12 +389,28 @@ class Entry:
             check(view)
             return view
 
+    def readinto(self, offset: int, buf: memoryview) -> int:
+        """`read` of len(buf) bytes into `buf` (any buffer; clipped at EOF): the bytes read."""
+        with self._serving(offset, len(buf)) as (n, check):
+            if not n:
+                return 0
+            got = _preadv(self._fd, buf[:n], offset)
+            check(buf[:got])
+            return got
+
     def _direct_fd(self) -> int:
         with self._mu:
-            if self._dfd is None:
-                self._check_usable()
-                self._dfd = reopen_direct(self._fd)
-            return self._dfd
+            self._check_usable()
+            if self._dfd is not None:
+                return self._dfd
+        dfd = reopen_direct(self._fd)  # an open(2): outside the lock
+        with self._mu:
+            if self._dfd is None and self._fd >= 0:
+                self._dfd, dfd = dfd, -1
+            current = self._dfd
+        if dfd >= 0:
+            os.close(dfd)
+        return -1 if current is None else current
 
     @contextmanager
     def _serving(
@@ -409,19 +479,23 @@ class Entry:
     def _digests(self, indexes: list[int]) -> dict[int, bytes]:
         """Recorded checksums. A detached entry's records are gone (its flag is set
         before they go): its unverified chunks count as missing, not as corrupt."""
-        want = self._cache._index.digests(self._fid, indexes)
+        want = self._cache.index.digests(self._fid, indexes)
         if len(want) < len(indexes) and self._detached:
             raise KeyError(f"{self.key!r}: chunks dropped from the cache while being read")
         return want
 
     def _drop_corrupt(self, bad: list[int]) -> None:
-        with self._mu:
+        with self._io:
             if self._fd >= 0:
-                self._discard([i for i in set(bad) if self._states[i] in _CHECKSUMMED])
-        self._cache._count_corrupt(len(set(bad)))
+                with self._mu:
+                    picked = [i for i in set(bad) if self._states[i] in _CHECKSUMMED]
+                self._discard(picked, pinned_too=True)
+        self._cache.count_corrupt(len(set(bad)))
 
-    def _verify(self, batch: int = 64) -> list[int]:
-        """Re-check every checksummed chunk against the file (`Cache.verify_all`)."""
+    def verify(self, batch: int = 64) -> list[int]:
+        """Check every checksummed chunk against the file: a chunk that matches is
+        verified from then on (it outlives its records: an unlinked open file keeps
+        it), one that does not is dropped. Returns the bad chunks."""
         with self._mu:
             todo = [i for i, s in enumerate(self._states) if s in _CHECKSUMMED]
         bad: list[int] = []
@@ -474,35 +548,45 @@ class Entry:
         self._begin_store(lo, hi, "store")
         try:
             pwrite_direct(self._direct_fd(), self._fd, mv, offset)
-            with self._mu:
+            with self._io:
+                added = 0
                 if not self._detached:
-                    with self._cache._index.write() as wt:
+                    with self._cache.index.write() as wt:
                         rec = self._record(wt)
                         added = sum(map(self._chunk_len, wt.put_chunks(self._fid, lo, digests)))
                         wt.put(self._kh, rec, replace(rec, cached=rec.cached + added))
-                    self._cache._account(wt.used_delta)
+                    self._cache.account(wt.used_delta)
+                with self._mu:
                     self._cached += added
-                self._states[lo : hi + 1] = bytes((VERIFIED,)) * (hi - lo + 1)
-                for i in range(lo, hi + 1):
-                    self._pages.pop(i, None)
-                self._last = (lo, hi)
+                    self._states[lo : hi + 1] = bytes((VERIFIED,)) * (hi - lo + 1)
+                    for i in range(lo, hi + 1):
+                        self._pages.pop(i, None)
+                    self._last = (lo, hi)
         finally:
-            with self._mu:
-                self._unpin(lo, hi)
-                self._storing -= 1
-                if not self._storing:
-                    self._stores_done.notify_all()
-        self._cache._make_room(self)
+            self._end_store(lo, hi)
+        self._cache.make_room(self)
 
     def _begin_store(self, lo: int, hi: int, what: str) -> None:
         """Claim chunks lo..hi for fetched bytes: only a clean entry takes them, and
-        the chunks stay pinned (and dirtying waits) until the store is done."""
+        the chunks stay pinned (and dirtying waits) until the store is done. Chunks
+        being punched out are waited for (a punch must not land after the bytes)."""
         with self._mu:
-            self._check_usable()
-            if self._state != CLEAN:
-                raise ValueError(f"{what}() into {self.state} {self.key!r}: it is written locally")
+            while True:
+                self._check_usable()
+                if self._state != CLEAN or self._dirtying:
+                    raise ValueError(f"{what}() into {self.state} {self.key!r}: it is written locally")
+                if not any(i in self._discarding for i in range(lo, hi + 1)):
+                    break
+                self._discards_done.wait()
             self._pin(lo, hi)
             self._storing += 1
+
+    def _end_store(self, lo: int, hi: int) -> None:
+        with self._mu:
+            self._unpin(lo, hi)
+            self._storing -= 1
+            if not self._storing:
+                self._stores_done.notify_all()
 
     # -- write-back hooks ------------------------------------------------------
 
@@ -514,10 +598,9 @@ class Entry:
         if offset < 0:
             raise ValueError(f"write at negative offset {offset}")
         behind: tuple[int, int] | None = None  # a range to start writing back
-        with self._mu:
-            self._check_usable()
-            self._make_dirty(self.size)
-            grew = offset + len(mv) > self.size
+        with self._dirty_io(self.size):
+            size = self.size
+            grew = offset + len(mv) > size
             if mv:
                 try:
                     pwrite_all(self._fd, mv, offset)
@@ -528,11 +611,12 @@ class Entry:
                         offset // self.chunk_size, (offset + len(mv) - 1) // self.chunk_size
                     )
                     if grew:
-                        os.ftruncate(self._fd, self.size)
+                        os.ftruncate(self._fd, size)
                     raise
                 self._hash(offset, mv)
                 if grew:
-                    self._resize(offset + len(mv))
+                    with self._mu:
+                        self._resize(offset + len(mv))
                 behind = self._behind, (offset + len(mv)) & ~(PAGE - 1)
                 if behind[1] - behind[0] >= WRITE_BEHIND:
                     self._behind = behind[1]
@@ -545,7 +629,7 @@ class Entry:
             with contextlib.suppress(OSError):
                 start_writeback(self._fd, behind[0], behind[1] - behind[0])
         if grew and mv:
-            self._cache._make_room(None)
+            self._cache.make_room(None)
         return len(mv)
 
     def truncate(self, size: int) -> None:
@@ -553,15 +637,29 @@ class Entry:
         Only the part that survives must be cached."""
         if size < 0:
             raise ValueError(f"truncate to negative size {size}")
-        with self._mu:
-            self._check_usable()
-            self._make_dirty(min(size, self.size))
+        with self._dirty_io(min(size, self.size)):
             grew = size > self.size
             os.ftruncate(self._fd, size)
-            self._resize(size)
+            with self._mu:
+                self._resize(size)
             self._behind = min(self._behind, size & ~(PAGE - 1))
         if grew:
-            self._cache._make_room(None)
+            self._cache.make_room(None)
+
+    @contextmanager
+    def _dirty_io(self, keep: int) -> Iterator[None]:
+        """Hold `_io` with the entry dirty (made so first, keeping `keep` bytes)."""
+        while True:
+            self._make_dirty(keep)
+            self._io.acquire()
+            if self._state == DIRTY:
+                break
+            self._io.release()  # sealed by someone else meanwhile: dirty it again
+            keep = self.size
+        try:
+            yield
+        finally:
+            self._io.release()
 
     def set_state(self, state: str, *, etag: str | None = None, mtime: float | None = None) -> None:
         """Write-back lifecycle, persisted in the index:
@@ -569,23 +667,25 @@ class Entry:
         "sealed": closed or fsynced: the file is fsynced, chunk checksums are
         recorded and the index is synced, so it survives a crash; upload pending;
         "clean": uploaded: an ordinary cached object again, under the store's `etag`.
-        Dirty and sealed objects are never evicted."""
+        Dirty and sealed objects are never evicted. A detached entry (removed while
+        open) takes no state: it has no record any more."""
         if state not in STATE_NAMES:
             raise ValueError(f"unknown cache state {state!r}")
         code = STATE_NAMES.index(state)
-        with self._mu:
+        if code == DIRTY:
+            self._make_dirty(self.size)
+            return
+        with self._io:
             self._check_usable()
             if self._detached:
                 raise ValueError(f"{self.key!r} was removed from the cache")
-            if code == DIRTY:
-                self._make_dirty(self.size)
-            elif code == SEALED:
+            if code == SEALED:
                 self._seal()
             elif self._state == DIRTY:
                 raise ValueError(f"{self.key!r} is dirty: seal it before marking it clean")
             if code == CLEAN or etag is not None or mtime is not None:
                 now = time.time_ns()
-                with self._cache._index.write() as wt:
+                with self._cache.index.write() as wt:
                     rec = self._record(wt)
                     new = replace(
                         rec,
@@ -595,37 +695,50 @@ class Entry:
                     if code == CLEAN and rec.state != CLEAN:
                         new = replace(new, state=CLEAN, seg=PROBATION, rank_ns=now, access_ns=now)
                     wt.put(self._kh, rec, new)
-                self._cache._account(wt.used_delta)
-                self._state, self.etag, self.mtime = new.state, new.etag, new.mtime
-            if code != DIRTY:
-                self._cache._index.sync()
+                self._cache.account(wt.used_delta)
+                with self._mu:
+                    self._state, self.etag, self.mtime = new.state, new.etag, new.mtime
+            self._cache.index.sync()
 
     def _make_dirty(self, keep: int) -> None:
         """Enter the dirty state. The first `keep` bytes stay (the rest is about to be
         cut), so they must be present, and are verified if not yet: their old
         checksums stop protecting them from here on. Stores in flight finish first:
-        fetched bytes landing later would overwrite local ones."""
-        while self._storing and self._state != DIRTY:
-            self._stores_done.wait()
-        if self._state == DIRTY:
-            return
-        if self._detached:
-            raise ValueError(f"{self.key!r} was removed from the cache")
-        n = nchunks(keep, self.chunk_size)
-        if self._states.find(ABSENT, 0, n) >= 0:
-            raise ValueError(f"{self.key!r} is not fully cached: fetch it before writing")
-        bad = self._bad_chunks([i for i in range(n) if self._states[i] == STORED])
-        if bad:
-            self._discard(bad)
-            self._cache._count_corrupt(len(bad))
-            raise ChunkCorrupt(self.key, bad)
-        with self._cache._index.write() as wt:
-            rec = self._record(wt)
-            wt.put(self._kh, rec, replace(rec, state=DIRTY))
-        self._cache._account(wt.used_delta)
-        self._state = DIRTY
-        self._states[:n] = bytes((WRITTEN,)) * n
-        self._pages.clear()
+        fetched bytes landing later would overwrite local ones. A detached entry goes
+        dirty in memory only."""
+        with self._mu:
+            if self._state == DIRTY:
+                return
+            self._check_usable()
+            self._dirtying += 1
+            while self._storing:
+                self._stores_done.wait()
+        try:
+            with self._io:
+                with self._mu:
+                    if self._state == DIRTY:
+                        return
+                    n = nchunks(min(keep, self.size), self.chunk_size)
+                    if self._states.find(ABSENT, 0, n) >= 0:
+                        raise ValueError(f"{self.key!r} is not fully cached: fetch it before writing")
+                    stored = [i for i in range(n) if self._states[i] == STORED]
+                bad = self._bad_chunks(stored) if not self._detached else []
+                if bad:
+                    self._discard(bad, pinned_too=True)
+                    self._cache.count_corrupt(len(bad))
+                    raise ChunkCorrupt(self.key, bad)
+                if not self._detached:
+                    with self._cache.index.write() as wt:
+                        rec = self._record(wt)
+                        wt.put(self._kh, rec, replace(rec, state=DIRTY))
+                    self._cache.account(wt.used_delta)
+                with self._mu:
+                    self._state = DIRTY
+                    self._states[:n] = bytes((WRITTEN,)) * n
+                    self._pages.clear()
+        finally:
+            with self._mu:
+                self._dirtying -= 1
 
     def _hash(self, offset: int, data: memoryview) -> None:
         """Keep running checksums of chunks written front to back, so sealing a file
@@ -658,7 +771,8 @@ class Entry:
             self._hashers.pop(i, None)
 
     def _resize(self, size: int) -> None:
-        """Dirty length change: bitmap, running checksums and byte accounting."""
+        """Dirty length change (caller holds `_io` and `_mu`): bitmap, running
+        checksums and byte accounting."""
         n = nchunks(size, self.chunk_size)
         if size < self.size:
             del self._states[n:]
@@ -673,24 +787,29 @@ class Entry:
         delta, self._cached = size - self._cached, size
         if not self._detached:
             self._pending += delta
-            self._cache._account(delta)
+            self._cache.account(delta)
 
     def _seal(self) -> None:
-        if self._state == SEALED:
-            return
-        if self._state != DIRTY:
-            raise ValueError(f"{self.key!r} is {self.state}: only a dirty entry can be sealed")
+        """(caller holds `_io`) fsync, checksums and the sealed record, with `_mu`
+        free meanwhile: readers of this file keep being served."""
+        with self._mu:
+            if self._state == SEALED:
+                return
+            if self._state != DIRTY:
+                raise ValueError(f"{self.key!r} is {self.state}: only a dirty entry can be sealed")
+            count = len(self._states)
         os.fsync(self._fd)
-        digests = [self._sealed_digest(i) for i in range(len(self._states))]
-        with self._cache._index.write() as wt:
+        digests = [self._sealed_digest(i) for i in range(count)]
+        with self._cache.index.write() as wt:
             rec = self._record(wt)
             wt.drop_all_chunks(self._fid)
             wt.put_chunks(self._fid, 0, digests)
             wt.put(self._kh, rec, replace(rec, state=SEALED, size=self.size, cached=self._cached))
-        self._cache._account(wt.used_delta - self._pending)
-        self._pending = 0
-        self._state = SEALED
-        self._states[:] = bytes((VERIFIED,)) * len(self._states)
+        with self._mu:
+            self._cache.account(wt.used_delta - self._pending)
+            self._pending = 0
+            self._state = SEALED
+            self._states[:] = bytes((VERIFIED,)) * len(self._states)
         self._sums.clear()
         self._hashers.clear()
 
@@ -701,7 +820,7 @@ class Entry:
             if self._state != SEALED:
                 raise ValueError(f"{self.key!r} is {self.state}: only a sealed entry has a digest")
             n = len(self._states)
-        digests = self._cache._index.digests(self._fid, range(n))
+        digests = self._cache.index.digests(self._fid, range(n))
         return xxhash.xxh3_128_hexdigest(b"".join(digests[i] for i in range(n)))
 
     def _sealed_digest(self, i: int) -> bytes:
@@ -725,92 +844,115 @@ class Entry:
 
     def _shed(self, amount: int) -> int:
         """Give back about `amount` bytes of this open object's chunks (eviction's
-        last resort), in `shed_order`, skipping pinned chunks. Returns bytes freed."""
-        with self._mu:
-            if self._fd < 0 or self._detached or self._state != CLEAN:
-                return 0
-            picked, total = [], 0
-            for i in shed_order(self._states, *self._last):
-                if i not in self._pins:
-                    picked.append(i)
-                    total += self._chunk_len(i)
-                    if total >= amount:
-                        break
+        last resort), in `shed_order`, skipping pinned chunks. An entry busy with
+        I/O is skipped, never waited for. Returns bytes freed."""
+        if not self._io.acquire(blocking=False):
+            return 0
+        try:
+            with self._mu:
+                if self._fd < 0 or self._detached or self._state != CLEAN:
+                    return 0
+                picked, total = [], 0
+                for i in shed_order(self._states, *self._last):
+                    if i not in self._pins:
+                        picked.append(i)
+                        total += self._chunk_len(i)
+                        if total >= amount:
+                            break
             return self._discard(picked)
+        finally:
+            self._io.release()
 
     def _drop_unpinned(self) -> int:
         """Drop every cached chunk not being read or stored right now (`Cache.evict`)."""
-        with self._mu:
-            if self._state != CLEAN or self._fd < 0:
-                return -1
-            return self._discard(
-                [i for i, s in enumerate(self._states) if s in _CHECKSUMMED and i not in self._pins]
-            )
+        with self._io:
+            with self._mu:
+                if self._state != CLEAN or self._fd < 0:
+                    return -1
+                picked = [
+                    i for i, s in enumerate(self._states) if s in _CHECKSUMMED and i not in self._pins
+                ]
+            return self._discard(picked)
 
-    def _discard(self, indexes: list[int]) -> int:
-        """Punch chunks out of the file, then forget them (caller holds `_mu`): a crash
-        in between leaves records of zeroed chunks, which verification catches."""
-        if not indexes:
-            return 0
-        cs = self.chunk_size
-        for a, b in _runs(indexes):
-            punch_hole(self._fd, a * cs, min(b * cs, self.size) - a * cs)
-        freed = sum(map(self._chunk_len, indexes))
-        if not self._detached:
-            with self._cache._index.write() as wt:
-                rec = self._record(wt)
-                gone = sum(map(self._chunk_len, wt.drop_chunks(self._fid, indexes)))
-                wt.put(self._kh, rec, replace(rec, cached=rec.cached - gone))
-            self._cache._account(wt.used_delta)
-        self._cached -= freed
-        for i in indexes:
-            self._states[i] = ABSENT
+    def _discard(self, indexes: list[int], *, pinned_too: bool = False) -> int:
+        """Punch chunks out of the file, then forget them (caller holds `_io`). They are
+        absent from the moment they are picked (no new reader pins them) and held back
+        from new stores until punched; a pinned one is skipped unless `pinned_too`
+        (corrupt data: its readers find out by their own check). A crash between the
+        punch and the index update leaves records of zeroed chunks: verification
+        catches them."""
+        with self._mu:
+            picked = [
+                i for i in set(indexes)
+                if self._states[i] in _CHECKSUMMED and (pinned_too or i not in self._pins)
+            ]
+            if not picked:
+                return 0
+            for i in picked:
+                self._states[i] = ABSENT
+            self._discarding.update(picked)
+        freed = sum(map(self._chunk_len, picked))
+        try:
+            cs = self.chunk_size
+            for a, b in _runs(picked):
+                punch_hole(self._fd, a * cs, min(b * cs, self.size) - a * cs)
+            if not self._detached:
+                with self._cache.index.write() as wt:
+                    rec = self._record(wt)
+                    gone = sum(map(self._chunk_len, wt.drop_chunks(self._fid, picked)))
+                    wt.put(self._kh, rec, replace(rec, cached=rec.cached - gone))
+                self._cache.account(wt.used_delta)
+        finally:
+            with self._mu:
+                self._cached -= freed
+                self._discarding.difference_update(picked)
+                self._discards_done.notify_all()
         return freed
 
     def _detach(self) -> Record | None:
         """Cut this entry loose from the index (removed, or replaced by a newer
-        version): holders keep reading what is verified. Returns the dropped record."""
-        with self._mu:
-            self._detached = True
-            self._states[:] = self._states.replace(bytes((STORED,)), bytes((ABSENT,)))
-            with self._cache._index.write() as wt:
+        version): holders keep reading what is verified, and writing. Returns the
+        dropped record."""
+        with self._io:
+            with self._mu:
+                self._detached = True
+                self._states[:] = self._states.replace(bytes((STORED,)), bytes((ABSENT,)))
+            with self._cache.index.write() as wt:
                 rec = wt.record(self._kh)
                 if rec is not None and rec.fid == self._fid:
                     wt.drop(self._kh, rec)
                 else:
                     rec = None
-            self._cache._account(wt.used_delta - self._pending)
-            self._pending = 0
+            with self._mu:
+                self._cache.account(wt.used_delta - self._pending)
+                self._pending = 0
             return rec
 
     def _close(self, persist: bool) -> None:
         """Last release: write back the use (eviction order) and dirty growth, close
         the fd, and leave the verified bitmap with the cache for the next open."""
-        with self._mu:
+        with self._io:
             if self._fd < 0:
                 return
             try:
                 if persist and not self._detached and (self._touched or self._pending):
                     self._persist()
             finally:
-                os.close(self._fd)
-                self._fd = -1
-                if self._dfd is not None and self._dfd >= 0:
-                    os.close(self._dfd)
-                self._dfd = None
+                with self._mu:
+                    fd, dfd = self._fd, self._dfd
+                    self._fd, self._dfd = -1, None
+                os.close(fd)
+                if dfd is not None and dfd >= 0:
+                    os.close(dfd)
             if not self._detached and self._state != DIRTY and VERIFIED in self._states:
-                self._cache._stash(self._fid, self._states)
+                self._cache.stash(self._fid, self._states)
             if not self._detached and self._state == CLEAN and self._pages:
-                with self._cache._lock:
-                    stash = self._cache.page_stash
-                    stash[self._fid] = self._pages
-                    while len(stash) > PAGE_STASH_OBJECTS:
-                        stash.popitem(last=False)
+                self._cache.keep_pages(self._fid, self._pages)
 
     def _persist(self) -> None:
         cache = self._cache
         now = time.time_ns()  # a use lasts until its last release
-        with cache._index.write() as wt:
+        with cache.index.write() as wt:
             rec = self._record(wt)
             if self._state == CLEAN:
                 record_use(
@@ -820,8 +962,9 @@ class Entry:
                 wt.put(
                     self._kh, rec, replace(rec, size=self.size, cached=self._cached, access_ns=now)
                 )
-        cache._account(wt.used_delta - self._pending)
-        self._pending = 0
+        with self._mu:
+            cache.account(wt.used_delta - self._pending)
+            self._pending = 0
         self._touched = False
 
     # -- helpers ------------------------------------------------------------------

@@ -10,7 +10,14 @@ import errno
 import os
 import re
 
-from tierfs.config import MAX_KEY_BYTES
+from tierfs.config import (
+    CONNECT_TIMEOUT,
+    DEADLINE,
+    MAX_CONNECTIONS,
+    MAX_KEY_BYTES,
+    PART_SIZE,
+    READ_TIMEOUT,
+)
 from tierfs.store.base import Listing, ObjectInfo, RequestObserver, Store, StoreError
 from tierfs.store.local import LocalStore
 from tierfs.store.s3 import S3Store
@@ -87,11 +94,11 @@ def open_store(
     url: str,
     *,
     endpoint_url: str | None = None,
-    part_size: int = 8 << 20,
-    max_parallel: int = 8,
-    connect_timeout: float = 5.0,
-    read_timeout: float = 30.0,
-    deadline: float = 30.0,
+    part_size: int = PART_SIZE,
+    max_connections: int = MAX_CONNECTIONS,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    read_timeout: float = READ_TIMEOUT,
+    deadline: float = DEADLINE,
     observer: RequestObserver | None = None,
     max_key_bytes: int = MAX_KEY_BYTES,
 ) -> Store:
@@ -104,7 +111,7 @@ def open_store(
         prefix,
         endpoint_url=endpoint_url,
         part_size=part_size,
-        max_parallel=max_parallel,
+        max_connections=max_connections,
         connect_timeout=connect_timeout,
         read_timeout=read_timeout,
         deadline=deadline,

@@ -60,6 +60,24 @@ def key_too_long(url: str, key: str, full: str, limit: int) -> StoreError | None
 # and work that waits for the store to return (journaled uploads, dir markers).
 UNREACHABLE_KINDS = frozenset({"unreachable", "timeout", "throttled"})
 
+# Kinds the store will answer again the same way however often it is asked
+# (4xx other than throttling and timeouts: KeyTooLong, AccessDenied,
+# EntityTooLarge, InvalidArgument, no such bucket): an upload refused so is
+# not retried but quarantined (writeback/uploader.py).
+PERMANENT_KINDS = frozenset({"access_denied", "invalid", "no_bucket"})
+
+MIN_PART = 5 << 20  # S3's smallest multipart part (all but the last)
+MAX_PARTS = 10_000
+
+
+def part_size_for(size: int, base: int) -> int:
+    """`base` (at least MIN_PART), grown in whole MiB to stay within MAX_PARTS parts."""
+    part = max(base, MIN_PART)
+    if -(-size // part) > MAX_PARTS:
+        part = -(-size // (MAX_PARTS << 20)) << 20
+    return part
+
+
 # Called once per store request: (op, outcome, seconds, bytes). outcome is
 # "ok", "retry" or a StoreError kind. Used for metrics; must be cheap.
 RequestObserver = Callable[[str, str, float, int], None]
@@ -100,18 +118,46 @@ class Store(Protocol):
         if_none_match: bool = False,
         progress: Callable[[int], None] | None = None,
     ) -> ObjectInfo:
-        """Upload a local file (multipart with parallel parts when large). Conditional
-        failures raise StoreError(kind='precondition', errno ESTALE)."""
+        """Upload a local file (multipart when large). Conditional failures raise
+        StoreError(kind='precondition', errno ESTALE)."""
 
     def put_bytes(
         self,
         key: str,
-        data: bytes,
+        data: bytes | memoryview,
         *,
         metadata: dict[str, str] | None = None,
         if_match: str | None = None,
         if_none_match: bool = False,
     ) -> ObjectInfo: ...
+
+    def create_upload(self, key: str, *, metadata: dict[str, str] | None = None) -> str:
+        """Start a multipart upload of `key`; its upload id."""
+
+    def upload_part(
+        self, key: str, upload_id: str, number: int, offset: int, data: bytes | memoryview
+    ) -> str:
+        """Send part `number` (1-based; it holds the object's bytes from `offset`); its ETag.
+        Every part but the last is at least 5 MiB."""
+
+    def complete_upload(
+        self,
+        key: str,
+        upload_id: str,
+        parts: list[tuple[int, str]],
+        size: int,
+        *,
+        if_match: str | None = None,
+        if_none_match: bool = False,
+    ) -> ObjectInfo:
+        """Publish the parts (number, ETag) as the `size`-byte object, under the condition
+        given (StoreError(kind='precondition') if it fails). Metadata is create_upload's."""
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        """Drop an unfinished upload and its parts; best effort."""
+
+    def probe_conditional_put(self) -> bool:
+        """Whether the store enforces If-Match / If-None-Match: * on writes."""
 
     def copy(self, src: str, dst: str) -> ObjectInfo:
         """Server-side copy (multipart copy above 5 GiB)."""

@@ -123,6 +123,10 @@ class LocalStore:
         self.identity = f"file|{self.root}"
         self.observer = observer
         self._lock_fd: int | None = None
+        # Multipart uploads in progress: id -> (key, temp file, metadata). Their parts
+        # land in the temp file at their offsets; completing publishes it.
+        self._uploads: dict[str, tuple[str, str, dict[str, str]]] = {}
+        self._uploads_mu = threading.Lock()
 
     def probe_conditional_put(self) -> bool:
         """Nothing to probe: conditions are checked here, under the lock."""
@@ -211,6 +215,12 @@ class LocalStore:
                 kind="precondition",
             )
 
+    def _temp_beside(self, key: str) -> str:
+        path = self._path(key)
+        parent = os.path.dirname(path)
+        os.makedirs(parent, exist_ok=True)
+        return os.path.join(parent, f"{HIDDEN_PREFIX}tmp-{uuid.uuid4().hex}")
+
     def _publish(
         self,
         key: str,
@@ -218,13 +228,17 @@ class LocalStore:
         metadata: dict[str, str],
         if_match: str | None,
         if_none_match: bool,
+        tmp: str | None = None,
     ) -> ObjectInfo:
-        """Write via `fill(fd)` to a temp file beside the target, then os.replace it in."""
+        """Write via `fill(fd)` to a temp file beside the target (or into `tmp`, one
+        made by `_temp_beside`), then os.replace it in."""
         path = self._path(key)
         parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f"{HIDDEN_PREFIX}tmp-{uuid.uuid4().hex}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        if tmp is None:
+            tmp = self._temp_beside(key)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        else:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
         try:
             fill(fd)
             _write_meta(fd, metadata)
@@ -408,7 +422,7 @@ class LocalStore:
     def put_bytes(
         self,
         key: str,
-        data: bytes,
+        data: bytes | memoryview,
         *,
         metadata: dict[str, str] | None = None,
         if_match: str | None = None,
@@ -427,6 +441,69 @@ class LocalStore:
 
             nbytes[0] = len(data)
             return self._publish(key, fill, metadata or {}, if_match, if_none_match)
+
+    def create_upload(self, key: str, *, metadata: dict[str, str] | None = None) -> str:
+        if key.endswith("/"):
+            raise _invalid(f"put '{key}': a key ending in '/' is a directory marker")
+        with self._op("multipart", key):
+            tmp = self._temp_beside(key)
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
+            upload_id = uuid.uuid4().hex
+            with self._uploads_mu:
+                self._uploads[upload_id] = (key, tmp, dict(metadata or {}))
+            return upload_id
+
+    def _upload(self, key: str, upload_id: str) -> tuple[str, dict[str, str]]:
+        with self._uploads_mu:
+            found = self._uploads.get(upload_id)
+        if found is None or found[0] != key:
+            raise StoreError(f"no upload {upload_id} of '{key}'", errno_=errno.ENOENT,
+                             kind="not_found")
+        return found[1], found[2]
+
+    def upload_part(
+        self, key: str, upload_id: str, number: int, offset: int, data: bytes | memoryview
+    ) -> str:
+        with self._op("multipart", key) as nbytes:
+            tmp, _ = self._upload(key, upload_id)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                view = memoryview(data).cast("B")
+                pos = offset
+                while view:
+                    n = os.pwrite(fd, view, pos)
+                    view, pos = view[n:], pos + n
+            finally:
+                os.close(fd)
+            nbytes[0] = len(data)
+            return f"{number}-{offset:x}-{len(data):x}"
+
+    def complete_upload(
+        self,
+        key: str,
+        upload_id: str,
+        parts: list[tuple[int, str]],
+        size: int,
+        *,
+        if_match: str | None = None,
+        if_none_match: bool = False,
+    ) -> ObjectInfo:
+        with self._op("multipart", key):
+            tmp, metadata = self._upload(key, upload_id)
+            if os.stat(tmp).st_size != size:
+                raise StoreError(f"complete '{key}': parts hold {os.stat(tmp).st_size} bytes, "
+                                 f"not {size}", errno_=errno.EIO, kind="io")
+            info = self._publish(key, lambda fd: None, metadata, if_match, if_none_match, tmp)
+            with self._uploads_mu:
+                self._uploads.pop(upload_id, None)
+            return info
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        with self._uploads_mu:
+            found = self._uploads.pop(upload_id, None)
+        if found is not None:
+            with suppress(FileNotFoundError):
+                os.unlink(found[1])
 
     def copy(self, src: str, dst: str) -> ObjectInfo:
         with self._op("copy", dst):

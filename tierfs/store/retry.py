@@ -3,6 +3,10 @@
 SDK-level retries are switched off so that every attempt is visible to the
 metrics observer and the whole operation is bounded by one deadline, however
 the attempts fail (5xx, throttling, resets, truncated bodies).
+
+The wait between attempts is `time.sleep` unless the caller installed a pause
+of its own for this thread (`pausing`): the daemon's workers give their slot
+back and wait in trio meanwhile (workers.py).
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -27,6 +32,18 @@ MAX_DELAY = 5.0  # backoff ceiling never grows past this
 # The deadline of the operation running on this thread, for adapters that can
 # cut one attempt short (the S3 adapter turns it into a per-request read timeout).
 _current = threading.local()
+
+
+@contextmanager
+def pausing(pause: Callable[[float], None]) -> Iterator[None]:
+    """Store operations run on this thread inside the block wait out their
+    backoffs with `pause(seconds)` instead of `time.sleep`."""
+    outer = getattr(_current, "pause", None)
+    _current.pause = pause
+    try:
+        yield
+    finally:
+        _current.pause = outer
 
 
 def time_left() -> float | None:
@@ -101,7 +118,7 @@ def _retry_loop(
                 if observer is not None:
                     observer(op, "retry", now - t0, 0)
                 log.debug("%s: %s; retry %d in %.2fs", what, failure.reason, tries, delay)
-                time.sleep(delay)
+                (getattr(_current, "pause", None) or time.sleep)(delay)
                 continue
             kind = failure.kind
             message = f"{what}: {failure.reason}"

@@ -23,7 +23,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from datetime import datetime
 from email.utils import parsedate_to_datetime
 from functools import partial
@@ -49,15 +48,27 @@ from botocore.exceptions import (
 )
 from botocore.response import StreamingBody
 
-from tierfs.config import MAX_KEY_BYTES
-from tierfs.store.base import Listing, ObjectInfo, RequestObserver, StoreError, key_too_long
+from tierfs.config import (
+    CONNECT_TIMEOUT,
+    DEADLINE,
+    MAX_CONNECTIONS,
+    MAX_KEY_BYTES,
+    PART_SIZE,
+    READ_TIMEOUT,
+)
+from tierfs.store.base import (
+    Listing,
+    ObjectInfo,
+    RequestObserver,
+    StoreError,
+    key_too_long,
+    part_size_for,
+)
 from tierfs.store.retry import Failure, call_with_retries, time_left
 
 log = logging.getLogger("tierfs.store")
 
 _READ_SLICE = 1 << 20  # largest readinto() per call on a response body (see _get)
-MIN_PART = 5 << 20  # S3's smallest part (all but the last)
-MAX_PARTS = 10_000
 CHECK_DEADLINE = 5.0  # check() gives up on an unreachable endpoint after about this long
 
 _THROTTLE_CODES = frozenset(
@@ -81,6 +92,44 @@ _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "NoSuchUpload"})
 
 class _ShortBody(Exception):
     """A response body shorter or longer than its range promised: retried."""
+
+
+class _BufferBody:
+    """A request body read straight out of a buffer the caller owns (an upload part
+    buffer of the memory budget): botocore takes any file-like object, and sends
+    it without a copy. (A file-like body is announced with Expect: 100-continue.)"""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view.cast("B")
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return len(self._view) - self._pos
+
+    def read(self, n: int = -1) -> memoryview:
+        end = len(self._view) if n is None or n < 0 else min(len(self._view), self._pos + n)
+        chunk = self._view[self._pos : end]
+        self._pos = end
+        return chunk
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, min(len(self._view), base + offset))
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+def _body(data: bytes | memoryview) -> bytes | bytearray | _BufferBody:
+    """A request body without a copy: a view of a whole bytearray is sent as the
+    bytearray (in one piece), any other view through `_BufferBody`."""
+    if not isinstance(data, memoryview):
+        return data
+    whole = data.obj
+    if isinstance(whole, bytearray) and len(whole) == data.nbytes and data.contiguous:
+        return whole
+    return _BufferBody(data)
 
 
 def _strip_etag(etag: str) -> str:
@@ -145,17 +194,17 @@ class S3Store:
         prefix: str = "",
         *,
         endpoint_url: str | None = None,
-        part_size: int = 8 << 20,
-        max_parallel: int = 8,
-        connect_timeout: float = 5.0,
-        read_timeout: float = 30.0,
-        deadline: float = 30.0,
+        part_size: int = PART_SIZE,
+        max_connections: int = MAX_CONNECTIONS,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        read_timeout: float = READ_TIMEOUT,
+        deadline: float = DEADLINE,
         observer: RequestObserver | None = None,
         max_key_bytes: int = MAX_KEY_BYTES,
     ) -> None:
-        if part_size <= 0 or max_parallel <= 0 or deadline <= 0:
+        if part_size <= 0 or max_connections <= 0 or deadline <= 0:
             raise StoreError(
-                "part_size, max_parallel and deadline must be positive",
+                "part_size, max_connections and deadline must be positive",
                 errno_=errno.EINVAL,
                 kind="invalid",
             )
@@ -163,7 +212,7 @@ class S3Store:
         self.prefix = prefix
         self.max_key_bytes = max_key_bytes
         self.part_size = part_size
-        self.max_parallel = max_parallel
+        self.max_connections = max_connections
         self.deadline = deadline
         self.observer = observer
         self._endpoint_arg = endpoint_url
@@ -195,7 +244,7 @@ class S3Store:
             # loopback/LAN endpoint) guards the bytes; uploads check sizes.
             s3={"addressing_style": "path", "payload_signing_enabled": False},
             retries={"total_max_attempts": 1, "mode": "standard"},  # ours: retry.py
-            max_pool_connections=self.max_parallel * 2 + 8,
+            max_pool_connections=self.max_connections,
             # Neither timeout may outlast the operation's deadline; the read timeout
             # is further cut per request to the time left (_cap_read_timeout).
             connect_timeout=min(connect_timeout, self.deadline),
@@ -316,6 +365,14 @@ class S3Store:
     ) -> dict[str, Any]:
         """One request with retries; the response dict."""
         return self._call(op, key, lambda: (method(**kwargs), nbytes))
+
+    def _with_body(
+        self, op: str, key: str, method: Callable[..., dict[str, Any]], data: bytes | memoryview,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """One request sending `data`, with retries: each attempt gets a body of its
+        own (a file-like body is spent by the attempt that sent it)."""
+        return self._call(op, key, lambda: (method(Body=_body(data), **kwargs), len(data)))
 
     @staticmethod
     def _conditions(if_match: str | None, if_none_match: bool) -> dict[str, str]:
@@ -521,7 +578,7 @@ class S3Store:
     def put_bytes(
         self,
         key: str,
-        data: bytes,
+        data: bytes | memoryview,
         *,
         metadata: dict[str, str] | None = None,
         if_match: str | None = None,
@@ -530,14 +587,72 @@ class S3Store:
         kwargs = {
             "Bucket": self.bucket,
             "Key": self._full(key),
-            "Body": data,
             "Metadata": metadata or {},
             **self._conditions(if_match, if_none_match),
         }
-        resp = self._simple("put", key, self._client.put_object, len(data), **kwargs)
+        resp = self._with_body("put", key, self._client.put_object, data, **kwargs)
         return ObjectInfo(
             key, len(data), _strip_etag(resp["ETag"]), self._response_time(resp), _lower(metadata)
         )
+
+    def create_upload(self, key: str, *, metadata: dict[str, str] | None = None) -> str:
+        created = self._simple(
+            "multipart",
+            key,
+            self._client.create_multipart_upload,
+            Bucket=self.bucket,
+            Key=self._full(key),
+            Metadata=metadata or {},
+        )
+        return str(created["UploadId"])
+
+    def upload_part(
+        self, key: str, upload_id: str, number: int, offset: int, data: bytes | memoryview
+    ) -> str:
+        resp = self._with_body(
+            "multipart",
+            key,
+            self._client.upload_part,
+            data,
+            Bucket=self.bucket,
+            Key=self._full(key),
+            UploadId=upload_id,
+            PartNumber=number,
+        )
+        return str(resp["ETag"])
+
+    def complete_upload(
+        self,
+        key: str,
+        upload_id: str,
+        parts: list[tuple[int, str]],
+        size: int,
+        *,
+        if_match: str | None = None,
+        if_none_match: bool = False,
+    ) -> ObjectInfo:
+        kwargs: dict[str, Any] = {
+            "Bucket": self.bucket,
+            "Key": self._full(key),
+            "UploadId": upload_id,
+            "MultipartUpload": {"Parts": [{"PartNumber": n, "ETag": e} for n, e in parts]},
+            **self._conditions(if_match, if_none_match),
+        }
+        resp = self._simple("multipart", key, self._client.complete_multipart_upload, **kwargs)
+        return ObjectInfo(key, size, _strip_etag(resp["ETag"]), self._response_time(resp))
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        try:
+            self._simple(
+                "multipart",
+                key,
+                self._client.abort_multipart_upload,
+                Bucket=self.bucket,
+                Key=self._full(key),
+                UploadId=upload_id,
+            )
+        except StoreError as exc:
+            log.warning("could not abort multipart upload of %s: %s", key, exc)
 
     def put_file(
         self,
@@ -549,13 +664,9 @@ class S3Store:
         if_none_match: bool = False,
         progress: Callable[[int], None] | None = None,
     ) -> ObjectInfo:
-        """Upload `path`: one PUT up to part_size, else a parallel multipart upload.
-
-        `progress(n)` is called once per acknowledged part (serialized, from
-        worker threads), so a retried part is never counted twice.
-        """
-        conditions = self._conditions(if_match, if_none_match)
-        full = self._full(key)
+        """Upload `path`: one PUT up to part_size, else a multipart upload of one
+        part at a time (the daemon's uploader sends parts in parallel itself:
+        writeback/uploader.py). `progress(n)` is called once per acknowledged part."""
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
             if st.st_size <= self.part_size:
@@ -570,120 +681,31 @@ class S3Store:
                 if progress is not None:
                     progress(len(data))
                 return info
-            return self._put_multipart(
-                key, full, f.fileno(), st, metadata or {}, conditions, progress
-            )
-
-    @staticmethod
-    def _part_size_for(size: int, base: int) -> int:
-        """`base` (at least S3's 5 MiB), grown in whole MiB to stay within 10,000 parts."""
-        part = max(base, MIN_PART)
-        if -(-size // part) > MAX_PARTS:
-            part = -(-size // (MAX_PARTS << 20)) << 20
-        return part
-
-    def _put_multipart(
-        self,
-        key: str,
-        full: str,
-        fd: int,
-        st: os.stat_result,
-        metadata: dict[str, str],
-        conditions: dict[str, str],
-        progress: Callable[[int], None] | None,
-    ) -> ObjectInfo:
-        size = st.st_size
-        part = self._part_size_for(size, self.part_size)
-        count = -(-size // part)
-        progress_lock = threading.Lock()
-
-        def send(number: int) -> dict[str, Any]:
-            offset = (number - 1) * part
-            data = os.pread(fd, min(part, size - offset), offset)
-            if len(data) != min(part, size - offset):
-                raise StoreError(
-                    f"{key}: local file shrank while uploading", errno_=errno.EIO, kind="io"
-                )
-            resp = self._simple(
-                "multipart",
-                key,
-                self._client.upload_part,
-                len(data),
-                Bucket=self.bucket,
-                Key=full,
-                UploadId=upload_id,
-                PartNumber=number,
-                Body=data,
-            )
-            if progress is not None:
-                with progress_lock:
-                    progress(len(data))
-            return {"PartNumber": number, "ETag": resp["ETag"]}
-
-        created = self._simple(
-            "multipart",
-            key,
-            self._client.create_multipart_upload,
-            Bucket=self.bucket,
-            Key=full,
-            Metadata=metadata,
-        )
-        upload_id: str = created["UploadId"]
-        try:
-            parts = self._run_parallel(send, count)
-            after = os.fstat(fd)
-            if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
-                raise StoreError(
-                    f"{key}: local file changed while uploading", errno_=errno.EIO, kind="io"
-                )
-            resp = self._simple(
-                "multipart",
-                key,
-                self._client.complete_multipart_upload,
-                Bucket=self.bucket,
-                Key=full,
-                UploadId=upload_id,
-                MultipartUpload={"Parts": parts},
-                **conditions,
-            )
-        except BaseException:
-            self._abort(key, full, upload_id)
-            raise
-        return ObjectInfo(
-            key, size, _strip_etag(resp["ETag"]), self._response_time(resp), _lower(metadata)
-        )
-
-    def _run_parallel(
-        self, fn: Callable[[int], dict[str, Any]], count: int
-    ) -> list[dict[str, Any]]:
-        """fn(1..count) on up to max_parallel threads; the first failure cancels the rest."""
-        with ThreadPoolExecutor(
-            min(self.max_parallel, count), thread_name_prefix="tierfs-part"
-        ) as pool:
-            futures: list[Future[dict[str, Any]]] = [
-                pool.submit(fn, n) for n in range(1, count + 1)
-            ]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            for fut in done:
-                exc = fut.exception()
-                if exc is not None:
-                    for other in futures:
-                        other.cancel()
-                    raise exc
-            return [fut.result() for fut in futures]
-
-    def _abort(self, key: str, full: str, upload_id: str) -> None:
-        try:
-            self._simple(
-                "multipart",
-                key,
-                self._client.abort_multipart_upload,
-                Bucket=self.bucket,
-                Key=full,
-                UploadId=upload_id,
-            )
-        except StoreError as exc:
-            log.warning("could not abort multipart upload of %s: %s", key, exc)
+            size = st.st_size
+            part = part_size_for(size, self.part_size)
+            upload_id = self.create_upload(key, metadata=metadata)
+            try:
+                parts = []
+                for number, offset in enumerate(range(0, size, part), 1):
+                    data = os.pread(f.fileno(), min(part, size - offset), offset)
+                    if len(data) != min(part, size - offset):
+                        raise StoreError(
+                            f"{key}: local file shrank while uploading", errno_=errno.EIO, kind="io"
+                        )
+                    parts.append((number, self.upload_part(key, upload_id, number, offset, data)))
+                    if progress is not None:
+                        progress(len(data))
+                after = os.fstat(f.fileno())
+                if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+                    raise StoreError(
+                        f"{key}: local file changed while uploading", errno_=errno.EIO, kind="io"
+                    )
+                info = self.complete_upload(key, upload_id, parts, size, if_match=if_match,
+                                            if_none_match=if_none_match)
+            except BaseException:
+                self.abort_upload(key, upload_id)
+                raise
+        return ObjectInfo(key, size, info.etag, info.mtime, _lower(metadata))
 
     def copy(self, src: str, dst: str) -> ObjectInfo:
         """Server-side copy pinned to the source's current ETag (412 if it moves meanwhile)."""
@@ -710,7 +732,7 @@ class S3Store:
                 dst, info.size, _strip_etag(result["ETag"]), mtime, dict(info.metadata)
             )
 
-        part = self._part_size_for(info.size, self.copy_part_size)
+        part = part_size_for(info.size, self.copy_part_size)
         count = -(-info.size // part)
 
         def send(number: int) -> dict[str, Any]:
@@ -740,7 +762,7 @@ class S3Store:
         )
         upload_id: str = created["UploadId"]
         try:
-            parts = self._run_parallel(send, count)
+            parts = [send(n) for n in range(1, count + 1)]
             resp = self._simple(
                 "copy",
                 dst,
@@ -751,7 +773,7 @@ class S3Store:
                 MultipartUpload={"Parts": parts},
             )
         except BaseException:
-            self._abort(dst, full, upload_id)
+            self.abort_upload(dst, upload_id)
             raise
         return ObjectInfo(
             dst,
@@ -824,10 +846,13 @@ def _socket_readinto(body: Any) -> Callable[[memoryview], int] | None:
     fp = getattr(raw, "_fp", None)
     if (
         type(body) is not StreamingBody
+        or raw is None
+        or fp is None
         or not hasattr(fp, "readinto")
         or not hasattr(raw, "release_conn")
         or raw.headers.get("content-encoding", "identity") != "identity"
     ):
         return None
-    return fp.readinto  # type: ignore[no-any-return]
+    readinto: Callable[[memoryview], int] = fp.readinto
+    return readinto
 

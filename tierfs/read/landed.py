@@ -11,6 +11,8 @@ process, or after this memory moved on).
 Bounded: at most `capacity` bytes of part buffers are held here; the oldest
 part goes back to the buffer pool when a new one lands, unless a read is
 copying out of it at that moment (then it goes back when that read is done).
+The buffers count against the memory budget, which may ask for them back
+sooner (`shrink`) when others need memory.
 Entries are matched by identity and ETag, and only serve while the entry is
 clean: a local write makes the entry dirty, and its bytes then differ.
 """
@@ -21,7 +23,7 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from tierfs.cache.directio import BufferPool
+from tierfs.budget import BufferPool
 
 if TYPE_CHECKING:
     from tierfs.cache import Entry
@@ -48,6 +50,7 @@ class LandedParts:
         self._parts: OrderedDict[tuple[int, int], _Part] = OrderedDict()
         self._held = 0
         self._mu = threading.Lock()
+        pool.budget.reclaim_with(self.shrink)
 
     def land(
         self, entry: Entry, start: int, end: int, buf: memoryview, *, staged: bool = False
@@ -70,6 +73,18 @@ class LandedParts:
                 free += self._drop(oldest)
         for b in free:
             self.pool.give(b)
+
+    def shrink(self, need: int) -> int:
+        """Give the oldest parts back until about `need` bytes are free (the memory
+        budget asks); parts a read is copying out of go back when it is done."""
+        free: list[memoryview] = []
+        with self._mu:
+            while self._parts and sum(map(len, free)) < need:
+                _, oldest = self._parts.popitem(last=False)
+                free += self._drop(oldest)
+        for b in free:
+            self.pool.give(b)
+        return sum(map(len, free))
 
     def _drop(self, part: _Part) -> list[memoryview]:
         self._held -= len(part.buf)
@@ -105,8 +120,11 @@ class LandedParts:
             out[: end - start] = part.buf[a : a + end - start]
             return out[: end - start]
         finally:
-            with self._mu:
-                part.pins -= 1
-                back = part.gone and not part.pins
-            if back:
-                self.pool.give(part.buf)
+            self.unpin(part)
+
+    def unpin(self, part: _Part) -> None:
+        with self._mu:
+            part.pins -= 1
+            back = part.gone and not part.pins
+        if back:
+            self.pool.give(part.buf)

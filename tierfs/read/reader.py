@@ -11,15 +11,11 @@ Single-flight: every chunk (and every page of a small read) being fetched has
 one owner; any other reader (or readahead) that needs it waits on the owner's
 event, so N readers of a cold chunk cause one GET.
 
-Readahead is per handle and per stream: a handle keeps a few streams (one per
-loader thread reading its own region); a read continuing a stream doubles its
-window up to the class limit and keeps up to `max_parallel_gets` part-sized
-GETs in flight ahead of it. A read that continues no stream of its handle but
-lands near another handle's sequential front (`Fronts`: a herd of processes
-reading one file takes turns) continues that front. Any other read starts a
-new stream with an empty window and fetches only what it touches: whole
-chunks for a big read, just its 4 KiB pages for a small one
-(`Entry.store_pages`), so a random 4 KiB read costs about 4 KiB from the store.
+Readahead follows the streams of streams.py: a read with a window keeps up
+to `max_parallel_gets` part-sized GETs in flight ahead of it. A read with no
+window fetches only what it touches: whole chunks for a big read, just its
+4 KiB pages for a small one (`Entry.store_pages`), so a random 4 KiB read
+costs about 4 KiB from the store.
 
 Model-like files get `prefetch_object`: one background task walks the object
 in order with a bounded number of parts in flight, so reads that need other
@@ -43,29 +39,26 @@ import logging
 import math
 import time
 import weakref
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
+from functools import partial
 
 import trio
 
+from tierfs.budget import BufferPool, MemoryBudget
 from tierfs.cache import ChunkCorrupt, Entry
-from tierfs.cache.directio import ALIGN, BufferPool
+from tierfs.cache.directio import ALIGN
 from tierfs.cache.objects import PAGE
-from tierfs.landed import LandedParts
+from tierfs.read.landed import LandedParts
+from tierfs.read.streams import SMALL_READ, Fronts, ReadState
 from tierfs.store.base import Store, StoreError
 from tierfs.workers import Workers
 
 log = logging.getLogger(__name__)
 
-MAX_STREAMS = 8  # per handle: one per loader thread is typical
-STREAM_SLACK = 4 << 20  # out-of-order tolerance for kernel async readahead
-STREAM_GAP = 128 << 10  # a read this close after a stream's end continues it at once
-SMALL_READ = 256 << 10  # a non-sequential read up to this size fetches only its pages
 SIZE_LOG_AFTER = 1024  # log the FUSE read size histogram once, after this many reads
 SERVE_BUFFER = (1 << 20) + 2 * ALIGN  # a 1 MiB FUSE read at any offset, aligned for O_DIRECT
-SERVE_BUFFERS_KEPT = 64  # about the kernel's max_background reads in flight
 UNIT_SHARE = 8  # a fetch unit is at most 1/UNIT_SHARE of the cache...
 AHEAD_SHARE = 4  # ...and readahead reaches at most 1/AHEAD_SHARE of it ahead
 WASTE_QUIET = 30.0  # seconds without waste before an object's readahead is restored
@@ -93,115 +86,6 @@ class _Use:
     last_waste: float = -math.inf
 
 
-@dataclass
-class Stream:
-    next_off: int
-    window: int = 0
-    last_used: float = 0.0
-    hits: int = 0
-
-
-@dataclass
-class ReadState:
-    """Per-handle sequential detection."""
-
-    streams: list[Stream] = field(default_factory=list)
-
-    def advance(self, off: int, end: int, min_window: int, max_window: int) -> int:
-        """Record a read of [off, end) and return the readahead window for it (0: random).
-
-        A read continues a stream when it starts right at the stream's end; once
-        the stream has continued, a small gap (STREAM_GAP) is tolerated, and once
-        it has continued twice, reads up to STREAM_SLACK around its end count (the kernel's async readahead requests can
-        arrive out of order). So a random read landing near a stream by chance
-        does not grow any window."""
-        now = time.monotonic()
-        for s in self.streams:
-            if off == s.next_off:
-                follows = True
-            elif s.next_off < off <= s.next_off + STREAM_GAP:
-                follows = s.hits >= 1
-            else:
-                near = s.next_off - STREAM_SLACK <= off <= s.next_off + STREAM_SLACK
-                follows = near and s.hits >= 2
-            if follows:
-                s.hits += 1
-                s.window = _grown(s.window, min_window, max_window)
-                s.next_off = max(s.next_off, end)
-                s.last_used = now
-                return s.window
-        if len(self.streams) >= MAX_STREAMS:
-            self.streams.remove(min(self.streams, key=lambda s: s.last_used))
-        # A big read at offset 0 is the start of a sequential pass more often than not.
-        window = min(min_window, max_window) if off == 0 and end - off > SMALL_READ else 0
-        self.streams.append(Stream(end, window, now))
-        return window
-
-
-def _grown(window: int, min_window: int, max_window: int) -> int:
-    """A sequential stream's next window: doubled, at least the min, at most the max."""
-    return min(max(window * 2, min_window), max_window)
-
-
-class _Front(NamedTuple):
-    entry: Entry
-    end: int  # where the furthest sequential reader got to
-    window: int
-    seen: float  # monotonic time the front last moved
-
-
-class Fronts:
-    """Each recently read entry's sequential front, shared by all its handles.
-
-    Why: N processes reading one file at once (a herd) take turns: the kernel
-    sends each process's next request only for what the page cache still
-    lacks, so the herd reads the file in order as a relay while no single
-    handle sees a stream (a 1 GiB herd of 8: 476 GETs, mostly 1 MiB chunks,
-    where one reader makes 64 part GETs). A read that continues no stream of
-    its own handle but lands near the entry's front continues the front
-    instead: whole parts, and a window that grows as one stream's would.
-    A small read continues it only right at the front (see `follow`)."""
-
-    KEEP = 64  # entries remembered
-    FRESH = 1.0  # seconds a front stays meaningful without a read moving it
-
-    def __init__(self, behind: int) -> None:
-        self.behind = behind  # how far behind the front a read still counts (landed memory)
-        self._fronts: OrderedDict[int, _Front] = OrderedDict()
-
-    def note(self, entry: Entry, end: int, window: int) -> None:
-        """A read of `entry` ending at `end` continued a stream of its handle."""
-        now = time.monotonic()
-        prior = self._fronts.pop(id(entry), None)
-        if prior is not None and prior.entry is entry and now - prior.seen <= self.FRESH:
-            # The front is the furthest sequential reader, with the widest window.
-            end, window = max(end, prior.end), max(window, prior.window)
-        self._fronts[id(entry)] = _Front(entry, end, window, now)
-        if len(self._fronts) > self.KEEP:
-            self._fronts.popitem(last=False)
-
-    def follow(self, entry: Entry, off: int, end: int, min_window: int, max_window: int) -> int:
-        """If [off, end) lands near the front, the front moves to `end` and its
-        window grows as a stream's would; that window is returned. Else 0."""
-        front = self._fronts.get(id(entry))
-        if front is None or front.entry is not entry:
-            return 0
-        now = time.monotonic()
-        reach = max(front.window, min_window)
-        if now - front.seen > self.FRESH or not front.end - self.behind <= off <= front.end + reach:
-            return 0
-        if end - off <= SMALL_READ and not front.end <= off <= front.end + STREAM_GAP:
-            # Small and not at the front: a random read that landed near it by
-            # chance (a loader's 4 KiB preads), not a relay's next piece, which
-            # starts where the last one ended. Following it would read ahead and
-            # stage whole parts for 4 KiB.
-            return 0
-        window = _grown(front.window, min_window, max_window)
-        self._fronts[id(entry)] = _Front(entry, max(end, front.end), window, now)
-        self._fronts.move_to_end(id(entry))
-        return window
-
-
 class _Flight:
     """One in-flight fetch; waiters learn its outcome."""
 
@@ -213,23 +97,31 @@ class _Flight:
 
 
 class Reader:
+    """Every buffer it holds comes from the memory budget: part buffers (`parts`,
+    part_size each: GETs in flight, landed, staged), reply buffers of big reads
+    (`serve`, SERVE_BUFFER each) and the bytes of small page reads."""
+
     def __init__(
         self,
         store: Store,
         workers: Workers,
         nursery: trio.Nursery,
         *,
+        budget: MemoryBudget,
+        parts: BufferPool,
+        serve: BufferPool,
         part_size: int,
         readahead_min: int,
         cache_capacity: int,
         chunk_size: int,
-        observe_read: Callable[[str, int], None] = lambda tier, n: None,
-        prefetch_parallel: int = 4,
-        landed_bytes: int = 64 << 20,
+        observe_read: Callable[[str, int], None],
+        prefetch_parallel: int,
+        landed_bytes: int,
     ) -> None:
         self.store = store
         self.workers = workers
         self.nursery = nursery
+        self.budget = budget
         self.part_size = part_size
         self.capacity = cache_capacity
         # The fetch unit (parts and readahead are counted in it) and the furthest
@@ -246,13 +138,9 @@ class Reader:
         # (entry identity, page index) -> flight fetching that page for a small read
         self._page_flights: dict[tuple[int, int], _Flight] = {}
         self._prefetching: set[int] = set()  # entries with a prefetch_object running
-        # Part buffers: one per GET in flight (data threads) plus the landed ones;
-        # no more than that many are kept idle.
-        self._part_buffers = BufferPool(
-            part_size, keep=workers.data_limiter.total_tokens + landed_bytes // part_size
-        )
-        self._serve_buffers = BufferPool(SERVE_BUFFER, keep=SERVE_BUFFERS_KEPT)
-        self._landed = LandedParts(self._part_buffers, landed_bytes)
+        self._part_buffers = parts
+        self._serve_buffers = serve
+        self._landed = LandedParts(parts, landed_bytes)
         self._staging: set[tuple[int, int]] = set()  # (entry identity, part start) loading
         self._fronts = Fronts(landed_bytes)
         self.request_sizes: Counter[int] = Counter()  # FUSE read sizes seen (KiB, rounded up)
@@ -287,28 +175,17 @@ class Reader:
         else:
             window = self._fronts.follow(entry, off, end, self.readahead_min, readahead_max)
         if use is not None and use.through:
-            buf = self._serve_buffers.take(end - off + 2 * ALIGN)
-            try:
-                data = await self._read_through(entry, off, end, buf, window)
-            finally:
-                self._serve_buffers.give(buf)
-            self.observe_read("store", len(data))
-            return data
+            through = await self._through(entry, off, end, window)
+            self.observe_read("store", len(through))
+            return through
         small = not window and end - off <= SMALL_READ and _pages_ok(entry)
-        buf = None if small else self._serve_buffers.take(end - off + 2 * ALIGN)
-        try:
-            with entry.holding(off, end):
-                try:
-                    data, fetched = await self._read_cached(entry, off, end, buf, window, small)
-                except _NoRoom:
-                    self._go_through(entry, "the cache disk is full")
-                    fetched = True
-                    if buf is None:
-                        buf = self._serve_buffers.take(end - off + 2 * ALIGN)
-                    data = await self._read_through(entry, off, end, buf, window)
-        finally:
-            if buf is not None:
-                self._serve_buffers.give(buf)
+        with entry.holding(off, end):
+            try:
+                data, fetched = await self._read_cached(entry, off, end, window, small)
+            except _NoRoom:
+                self._go_through(entry, "the cache disk is full")
+                fetched = True
+                data = await self._through(entry, off, end, window)
         if use is not None:
             lo, hi = off // entry.chunk_size, (end - 1) // entry.chunk_size + 1
             use.unserved[lo:hi] = bytes(hi - lo)
@@ -316,7 +193,7 @@ class Reader:
         return data
 
     async def _read_cached(
-        self, entry: Entry, off: int, end: int, buf: memoryview | None, window: int, small: bool
+        self, entry: Entry, off: int, end: int, window: int, small: bool
     ) -> tuple[bytes | memoryview, bool]:
         """[off, end) through tier 1 (its chunks are held by the caller); the bytes,
         and whether any had to be fetched."""
@@ -327,10 +204,19 @@ class Reader:
         if window:
             self.prefetch(entry, end, min(end + window, entry.size))
         for _ in range(3):
+            # The reply buffer is held only while serving, never while fetching:
+            # a fetch waiting for memory must not wait on buffers of reads that
+            # wait for fetches.
+            buf = None if small else await self._serve_buffers.take(end - off + 2 * ALIGN)
             try:
                 return await self._serve(entry, off, end, buf, window=window, fetched=fetched), fetched
             except ChunkCorrupt as exc:
                 log.warning("cache chunk(s) %s of %r failed checksum: refetching", exc.chunks, entry.key)
+            except KeyError:
+                pass  # chunks given up to eviction between fetch and read (tiny cache)
+            finally:
+                if buf is not None:
+                    self._serve_buffers.give(buf)
             if small:
                 fetched = await self.ensure_pages(entry, off, end) or fetched
             else:
@@ -380,27 +266,42 @@ class Reader:
         else:
             log.debug("%s: reading %r through memory", why, entry.key)
 
-    async def _read_through(
-        self, entry: Entry, off: int, end: int, buf: memoryview, window: int
-    ) -> memoryview:
+    async def _through(self, entry: Entry, off: int, end: int, window: int) -> memoryview:
         """[off, end) copied out of unit GETs into memory (landed parts), never
-        written to tier 1; with a window, the next unit is fetched meanwhile."""
-        pos, misses = off, 0
+        written to tier 1; with a window, the next unit is fetched meanwhile. The
+        reply buffer is taken once the bytes are in memory (never held while
+        waiting for a fetch), and is back in the pool when this returns (see read)."""
+        for _ in range(4):
+            pos = off
+            while pos < end:
+                part = self._landed.pin(entry, pos, pos + 1)
+                if part is None:
+                    await _wait_all([self._start_memory(entry, pos)])
+                    continue
+                pos = part.end
+                self._landed.unpin(part)
+            buf = await self._serve_buffers.take(end - off + 2 * ALIGN)
+            try:
+                if self._copy_landed(entry, off, end, buf):
+                    ahead = ((end - 1) // self.unit + 1) * self.unit
+                    if window and ahead < entry.size:
+                        self._start_memory(entry, ahead)
+                    return buf[: end - off]
+            finally:
+                self._serve_buffers.give(buf)
+        raise OSError(errno.EIO, f"{entry.key!r}: fetched bytes left memory unread")
+
+    def _copy_landed(self, entry: Entry, off: int, end: int, buf: memoryview) -> bool:
+        """Copy [off, end) out of landed parts into `buf`; False if a part is gone."""
+        pos = off
         while pos < end:
             part = self._landed.pin(entry, pos, pos + 1)
             if part is None:
-                misses += 1
-                if misses > 3:
-                    raise OSError(errno.EIO, f"{entry.key!r}: fetched bytes left memory unread")
-                await self._wait_flight(self._start_memory(entry, pos))
-                continue
+                return False
             stop = min(end, part.end)
             self._landed.copy_out(part, pos, stop, buf[pos - off :])
             pos = stop
-        ahead = ((end - 1) // self.unit + 1) * self.unit
-        if window and ahead < entry.size:
-            self._start_memory(entry, ahead)
-        return buf[: end - off]
+        return True
 
     def _start_memory(self, entry: Entry, pos: int) -> _Flight:
         """A GET of the unit holding `pos` into memory; joins one in flight."""
@@ -410,17 +311,25 @@ class Reader:
         if flight is None:
             flight = self._mem_flights[key] = _Flight()
             b = min(a + self.unit, entry.size)
-            self.nursery.start_soon(
-                self._fly, self._get_into_memory, entry, a, b, flight, self._mem_flights, self.unit
-            )
+            self.nursery.start_soon(self._fetch_memory, entry, a, b, flight)
         return flight
 
-    def _get_into_memory(self, entry: Entry, a: int, b: int) -> None:
-        if entry.closed:
-            raise _Abandoned(entry.key)
-        if self._landed.holds(entry, a, b):
+    async def _fetch_memory(self, entry: Entry, a: int, b: int, flight: _Flight) -> None:
+        try:
+            buf = await self._part_buffers.take(b - a)
+        except BaseException:
+            self._settle(flight, entry, a, b, self._mem_flights, self.unit,
+                         OSError(errno.EIO, "fetch cancelled: daemon stopping"))
+            raise
+        await self._fly(partial(self._get_into_memory, buf), entry, a, b, flight,
+                        self._mem_flights, self.unit)
+
+    def _get_into_memory(self, buf: memoryview, entry: Entry, a: int, b: int) -> None:
+        if entry.closed or self._landed.holds(entry, a, b):
+            self._part_buffers.give(buf)
+            if entry.closed:
+                raise _Abandoned(entry.key)
             return
-        buf = self._part_buffers.take(b - a)
         try:
             n = self.store.get_range_into(entry.key, a, b - a, buf[: b - a], entry.etag)
             if n != b - a:
@@ -430,19 +339,17 @@ class Reader:
             raise
         self._landed.land(entry, a, b, buf)
 
-    @staticmethod
-    async def _wait_flight(flight: _Flight) -> None:
-        await _wait_all([flight])
-
     async def _serve(
         self, entry: Entry, off: int, end: int, buf: memoryview | None, *, window: int, fetched: bool
     ) -> bytes | memoryview:
         """One attempt at answering [off, end): a small read from tier 1's pages, a
         big one (into `buf`) from landed memory or else from tier 1."""
         if buf is None:
-            if not fetched:
-                # A few KiB from tier 1: cheaper on the loop than a thread hop
-                # (warm random 4 KiB reads: ~1,350 -> ~3,800 reads/s in bench/randread.py).
+            if not fetched and entry.servable_now(off, end):
+                # A few KiB from tier 1 with nothing to verify: cheaper on the loop
+                # than a thread hop (warm random 4 KiB reads: ~1,350 -> ~3,800
+                # reads/s in bench/randread.py). Anything more (a chunk's first
+                # verification: a 1 MiB hash and an index read) goes to a worker.
                 return entry.read_pages(off, end - off)
             return await self.workers.disk(entry.read_pages, off, end - off)
         part = self._landed.pin(entry, off, end)
@@ -531,8 +438,12 @@ class Reader:
         return flight
 
     async def _fetch_pages(self, entry: Entry, p0: int, p1: int, flight: _Flight) -> None:
-        await self._fly(self._get_and_store_pages, entry, p0 * PAGE, min(p1 * PAGE, entry.size),
-                        flight, self._page_flights, PAGE)
+        a, b = p0 * PAGE, min(p1 * PAGE, entry.size)
+        await self.budget.take(b - a)
+        try:
+            await self._fly(self._get_and_store_pages, entry, a, b, flight, self._page_flights, PAGE)
+        finally:
+            self.budget.give(b - a)
 
     def _get_and_store_pages(self, entry: Entry, a: int, b: int) -> None:
         buf = memoryview(bytearray(b - a))
@@ -574,14 +485,15 @@ class Reader:
 
     async def _stage_part(self, entry: Entry, a: int, b: int) -> None:
         try:
-            await self.workers.disk(self._load_part, entry, a, b)
+            buf = self._part_buffers.take_now(b - a)  # optional work: only with memory to spare
+            if buf is not None:
+                await self.workers.disk(self._load_part, buf, entry, a, b)
         except Exception as exc:  # the read needing these bytes reads tier 1 itself
             log.debug("staging [%d, %d) of %r: %s", a, b, entry.key, exc)
         finally:
             self._staging.discard((id(entry), a))
 
-    def _load_part(self, entry: Entry, a: int, b: int) -> None:
-        buf = self._part_buffers.take(b - a)
+    def _load_part(self, buf: memoryview, entry: Entry, a: int, b: int) -> None:
         try:
             if len(entry.read_into(a, b - a, buf)) != b - a:  # aligned `a`: lands at buf[0]
                 raise KeyError(f"{entry.key!r}: short tier-1 read")
@@ -720,7 +632,14 @@ class Reader:
         return out
 
     async def _fetch(self, entry: Entry, a: int, b: int, flight: _Flight) -> None:
-        await self._fly(self._get_and_store, entry, a, b, flight, self._flights, entry.chunk_size)
+        try:
+            buf = await self._part_buffers.take(b - a)
+        except BaseException:
+            self._settle(flight, entry, a, b, self._flights, entry.chunk_size,
+                         OSError(errno.EIO, "fetch cancelled: daemon stopping"))
+            raise
+        await self._fly(partial(self._get_and_store, buf), entry, a, b, flight, self._flights,
+                        entry.chunk_size)
 
     async def _fly(
         self,
@@ -734,24 +653,33 @@ class Reader:
     ) -> None:
         """Run one fetch in a worker; waiters learn its outcome; its claims on
         `table` (units of `unit` bytes) are released whatever happens."""
+        error: BaseException | None = None
         try:
             await self.workers.data(fetch, entry, a, b)
         except Exception as exc:
-            flight.error = _as_oserror(exc)
+            error = _as_oserror(exc)
         except BaseException:
-            flight.error = OSError(errno.EIO, "fetch cancelled: daemon stopping")
+            error = OSError(errno.EIO, "fetch cancelled: daemon stopping")
             raise
         finally:
-            ident = id(entry)
-            for u in range(a // unit, -(-b // unit)):
-                if table.get((ident, u)) is flight:
-                    del table[(ident, u)]
-            flight.done.set()
+            self._settle(flight, entry, a, b, table, unit, error)
 
-    def _get_and_store(self, entry: Entry, a: int, b: int) -> None:
+    @staticmethod
+    def _settle(
+        flight: _Flight, entry: Entry, a: int, b: int, table: dict[tuple[int, int], _Flight],
+        unit: int, error: BaseException | None,
+    ) -> None:
+        flight.error = error
+        ident = id(entry)
+        for u in range(a // unit, -(-b // unit)):
+            if table.get((ident, u)) is flight:
+                del table[(ident, u)]
+        flight.done.set()
+
+    def _get_and_store(self, buf: memoryview, entry: Entry, a: int, b: int) -> None:
         if entry.closed:  # readahead for a reader that is gone
+            self._part_buffers.give(buf)
             raise _Abandoned(entry.key)
-        buf = self._part_buffers.take(b - a)
         try:
             view = buf[: b - a]
             n = self.store.get_range_into(entry.key, a, b - a, view, entry.etag)

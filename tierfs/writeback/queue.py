@@ -23,6 +23,8 @@ from typing import Any
 
 import trio
 
+from tierfs.budget import MemoryBudget
+
 COALESCE = 1 << 20  # contiguous queued writes applied as one, up to this many bytes
 Apply = Callable[[Any, int, bytes], Awaitable[object]]
 
@@ -35,6 +37,8 @@ class WriteQueue:
         self.items: collections.deque[tuple[int, bytes]] = collections.deque()
         self.running = False
         self.error: OSError | None = None
+        self.submitted = 0  # writes queued so far
+        self.done = 0  # writes applied (or dropped after a failure) so far
 
     def check(self) -> None:
         if self.error is not None:
@@ -42,10 +46,13 @@ class WriteQueue:
 
 
 class QueuedWrites:
-    def __init__(self, nursery: trio.Nursery, apply: Apply, limit: int) -> None:
+    def __init__(
+        self, nursery: trio.Nursery, apply: Apply, limit: int, budget: MemoryBudget
+    ) -> None:
         self._nursery = nursery
         self._apply = apply  # (entry, offset, data): the synchronous write path
         self._limit = limit
+        self._budget = budget
         self._queued = 0
         self._lot = trio.lowlevel.ParkingLot()  # woken whenever a write is applied
         self._active: set[WriteQueue] = set()
@@ -64,7 +71,9 @@ class QueuedWrites:
         while self._queued and self._queued + len(data) > self._limit:
             await self._lot.park()
             q.check()
+        await self._budget.take(len(data))
         q.items.append((offset, data))
+        q.submitted += 1
         self._queued += len(data)
         if not q.running:
             q.running = True
@@ -85,10 +94,15 @@ class QueuedWrites:
                     return
                 for _ in range(n):
                     q.items.popleft()
+                q.done += n
                 self._queued -= len(data)
+                self._budget.give(len(data))
                 self._lot.unpark_all()
         finally:
-            self._queued -= sum(len(d) for _, d in q.items)  # dropped after an error
+            dropped = sum(len(d) for _, d in q.items)  # after an error
+            self._queued -= dropped
+            self._budget.give(dropped)
+            q.done += len(q.items)
             q.items.clear()
             q.running = False
             self._active.discard(q)
@@ -114,11 +128,9 @@ class QueuedWrites:
         q.check()
 
     async def drain_entry(self, entry: Any, but: WriteQueue | None = None) -> None:
-        """Wait for every other handle's writes to this entry (their errors stay
-        with them)."""
-        while self._active and any(q.entry is entry and q is not but for q in self._active):
-            await self._lot.park()
-
-    async def drain_all(self) -> None:
-        while self._active:
+        """Wait until every other handle's write to this entry that was queued
+        before this call is applied (their errors stay with them). Writes queued
+        later are not waited for: a writer that keeps writing starves no reader."""
+        targets = [(q, q.submitted) for q in self._active if q.entry is entry and q is not but]
+        while any(q.done < upto for q, upto in targets):
             await self._lot.park()

@@ -1,0 +1,123 @@
+"""Read-only opens: what `open` returns for reading, and how any handle reads.
+
+`ReadPath.open` gets the object's tier-1 entry and decides whether to fetch a
+model-like file whole in the background (DESIGN §3.6); `ReadPath.read` is the
+read of every handle, read-only or writable: it first waits for writes to the
+file that were acknowledged and not yet applied (`settle`: the write path's
+queued direct writes), a store known to be down fails at once for bytes tier
+1 lacks, and each read's latency is recorded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+from tierfs.cache import Cache, Entry
+from tierfs.config import ClassSettings
+from tierfs.globs import glob_to_regex
+from tierfs.health import StoreHealth
+from tierfs.read.reader import Reader
+from tierfs.read.streams import ReadState
+from tierfs.store.base import StoreError
+from tierfs.workers import Workers
+
+
+class ReadPath:
+    def __init__(
+        self,
+        reader: Reader,
+        cache: Cache,
+        workers: Workers,
+        health: StoreHealth,
+        *,
+        prefetch_globs: tuple[str, ...],
+        prefetch_min_size: int,
+        observe_latency: Callable[[float], None],
+        settle: Callable[[Entry], Awaitable[None]],
+    ) -> None:
+        self.reader = reader
+        self.settle = settle
+        self.cache = cache
+        self.workers = workers
+        self.health = health
+        self._prefetch = [glob_to_regex(g) for g in prefetch_globs]
+        self._prefetch_min = prefetch_min_size
+        self._observe_latency = observe_latency
+
+    async def open(
+        self, key: str, etag: str, size: int, mtime: float, settings: ClassSettings
+    ) -> ReadHandle:
+        entry = await self.workers.disk(self.cache.open, key, etag, size, mtime)
+        try:
+            if self._wants_prefetch(key, size) and not self.reader.prefetching(entry):
+                await self._prefetch_object(key, etag, size, mtime, entry)
+        except BaseException:
+            await self.workers.disk(self.cache.release, entry)
+            raise
+        return ReadHandle(self, entry, settings)
+
+    async def read(
+        self, entry: Entry, state: ReadState, off: int, size: int, settings: ClassSettings
+    ) -> bytes | memoryview:
+        await self.settle(entry)
+        started = time.perf_counter()
+        if self.health.degraded and entry.state == "clean" and entry.missing_pages(off, off + size):
+            # The store is known down: bytes tier 1 lacks fail at once, not after
+            # another store deadline (the kernel retries a failed readahead with
+            # a second read, which would double the caller's wait).
+            raise StoreError("store unreachable (degraded mode)", kind="unreachable")
+        data = await self.reader.read(entry, state, off, size, settings.readahead_max)
+        self._observe_latency(time.perf_counter() - started)
+        return data
+
+    def _wants_prefetch(self, key: str, size: int) -> bool:
+        if size < self._prefetch_min:
+            return False
+        base = key.rsplit("/", 1)[-1]
+        return any(rx.match(base) for rx in self._prefetch)
+
+    async def _prefetch_object(
+        self, key: str, etag: str, size: int, mtime: float, entry: Entry
+    ) -> None:
+        """Model-like file (DESIGN §3.6): fetch it whole into tier 1 in the background,
+        holding a reference of its own so a close before the end does not stop it."""
+        if entry.state != "clean" or not entry.missing(0, entry.size):
+            return
+        held = await self.workers.disk(self.cache.open, key, etag, size, mtime)
+        if held is not entry:  # replaced meanwhile: leave it to the next open
+            await self.workers.disk(self.cache.release, held)
+            return
+
+        async def done() -> None:
+            await self.workers.disk(self.cache.release, held)
+
+        self.reader.prefetch_object(held, done)
+
+
+class ReadHandle:
+    """A handle opened for reading only."""
+
+    direct = False  # reads keep the kernel page cache (keep_cache per class)
+
+    def __init__(self, path: ReadPath, entry: Entry, settings: ClassSettings) -> None:
+        self._path = path
+        self.entry = entry
+        self.settings = settings
+        self.state = ReadState()
+
+    @property
+    def keep_cache(self) -> bool:
+        return self.settings.keep_cache
+
+    async def read(self, off: int, size: int) -> bytes | memoryview:
+        return await self._path.read(self.entry, self.state, off, size, self.settings)
+
+    async def flush(self) -> None:
+        """close(2) of a read-only handle: nothing to do."""
+
+    async def fsync(self) -> None:
+        """Nothing written through this handle."""
+
+    async def release(self) -> None:
+        await self._path.workers.disk(self._path.cache.release, self.entry)

@@ -1,0 +1,292 @@
+"""A write session: what `open`/`create` return for a writable open (DESIGN §5).
+
+Writes go to the file's tier-1 copy (a direct-write handle's are acknowledged
+at once and applied in order behind it: queue.py). close(2) reaches the
+daemon as FLUSH, synchronously, and seals the file as its class says:
+write-back: fsynced and journaled, the upload follows; write-through: also
+uploaded, close returns once the store has it or fails (and then nothing of
+it is uploaded later); publish (manifests): the barrier, then a conditional
+PUT. fsync does the same. RELEASE arrives after close(2) returned; once the
+last writer is gone, the file is the uploader's (or dropped, if no close of
+it succeeded).
+
+Every change of a file's bytes or state holds the file's lock (PendingFile.
+lock); reads do not take it, so a seal never holds up a reader.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tierfs.cache import Cache, Entry
+from tierfs.config import ClassSettings
+from tierfs.health import StoreHealth
+from tierfs.policy import Policy
+from tierfs.read.streams import ReadState
+from tierfs.store.base import ObjectInfo, StoreError
+from tierfs.workers import Workers
+from tierfs.writeback.journal import Journal, PendingFile
+from tierfs.writeback.publish import Publisher
+from tierfs.writeback.queue import QueuedWrites, WriteQueue
+from tierfs.writeback.uploader import NotVerified, Uploader
+
+log = logging.getLogger(__name__)
+
+Read = Callable[[Entry, ReadState, int, int, ClassSettings], Awaitable[bytes | memoryview]]
+
+
+@dataclass
+class WriteContext:
+    """What every write session shares: the parts of the write path, the read and
+    fetch of the read path, and the namespace's and kernel's hooks."""
+
+    cache: Cache
+    policy: Policy
+    workers: Workers
+    health: StoreHealth
+    journal: Journal
+    queued: QueuedWrites
+    uploader: Uploader
+    publisher: Publisher
+    read: Read  # ReadPath.read
+    fetch: Callable[[Entry, int, int], Awaitable[object]]  # make bytes present in tier 1
+    refresh: Callable[[str], Awaitable[ObjectInfo]]  # the store's current version of a key
+    on_dropped: Callable[[str], None]  # the namespace forgets a local file
+    invalidate: Callable[[int], None]  # drop the kernel's cached pages of an inode
+
+    async def open_entry(self, key: str, etag: str, size: int, mtime: float) -> Entry:
+        return await self.workers.disk(self.cache.open, key, etag, size, mtime)
+
+    async def release_entry(self, entry: Entry) -> None:
+        await self.workers.disk(self.cache.release, entry)
+
+    async def local_write(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A tier-1 write; on a full disk, evict clean data once and retry, else ENOSPC."""
+        try:
+            return await self.workers.disk(fn, *args)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            await self.workers.disk(self.cache.reclaim)
+            return await self.workers.disk(fn, *args)
+
+    def mark_written(self, pf: PendingFile) -> None:
+        """The file's bytes change: a sealed version is superseded."""
+        if pf.sealed:
+            pf.sealed_at = None
+            pf.version += 1
+        pf.local = True
+        pf.through_failed = False
+        self.journal.notify()
+
+    async def seal_local(self, pf: PendingFile, entry: Entry) -> None:
+        """Durable here: the file fsynced, its checksums and sealed record in the index."""
+        await self.workers.disk(entry.set_state, "sealed")
+        pf.sealed_at = time.monotonic()
+        pf.local = True
+        pf.size = entry.size
+        self.journal.notify()
+
+    async def land_now(self, pf: PendingFile, entry: Entry) -> None:
+        """A write-through close: upload now; the close fails if the store does not
+        take it, and then nothing of it is uploaded later (`last_closed`)."""
+        if self.health.degraded:
+            pf.through_failed = True
+            raise OSError(errno.EIO, f"{pf.key}: store unreachable; not saved")
+        try:
+            await self.uploader.land(pf, entry)
+        except StoreError as exc:
+            pf.through_failed = True
+            raise OSError(exc.errno or errno.EIO, str(exc)) from None
+        except (NotVerified, OSError) as exc:
+            pf.through_failed = True
+            raise OSError(errno.EIO, str(exc)) from None
+        self.journal.landed(pf)
+
+    async def last_closed(self, pf: PendingFile, failed: bool) -> None:
+        """No writer left: the uploader takes a sealed write-back file; a file no
+        close of which succeeded is dropped (never acknowledged)."""
+        if pf.unlinked or pf.gone.is_set():
+            return
+        if not pf.local:  # never written here, or in the store already
+            self.journal.leave(pf, "landed")
+        elif failed or pf.through_failed or not pf.sealed:
+            await self.drop(pf, "dropped")
+        elif self.policy.settings(pf.key).write_mode == "writeback" or pf.key.endswith("/"):
+            self.uploader.kick(pf)
+        else:  # sealed by a close whose upload or publish did not succeed
+            await self.drop(pf, "dropped")
+
+    async def drop(self, pf: PendingFile, outcome: str) -> None:
+        """Forget a local file's bytes (the store's version, if any, shows again)."""
+        await self.uploader.stop(pf)
+        await self.workers.disk(self.cache.remove, pf.key)
+        self.on_dropped(pf.key)
+        self.journal.leave(pf, outcome)
+
+
+class WriteSession:
+    def __init__(
+        self,
+        wb: WriteContext,
+        pf: PendingFile,
+        entry: Entry,
+        *,
+        inode: int,
+        direct: bool,
+        keep_cache: bool,
+        base_etag: str | None,
+        dirty: bool,
+    ) -> None:
+        self._wb = wb
+        self.pf = pf
+        self.entry = entry
+        self.inode = inode
+        self.direct = direct  # writes skip the kernel page cache (ClassSettings.direct_writes)
+        self.keep_cache = keep_cache
+        self.base_etag = base_etag  # the store version this handle read (manifest If-Match)
+        self.dirty = dirty  # written through this handle since its last seal
+        self.closed = False  # close(2) reached us (FLUSH); RELEASE follows
+        self.failed = False  # a close or fsync of it failed: nothing of it may land later
+        self.state = ReadState()
+        self._queue: WriteQueue | None = None  # a direct handle's acknowledged, unapplied writes
+
+    @property
+    def settings(self) -> ClassSettings:
+        return self._wb.policy.settings(self.pf.key)  # the class of its current name
+
+    async def read(self, off: int, size: int) -> bytes | memoryview:
+        return await self._wb.read(self.entry, self.state, off, size, self.settings)
+
+    async def write(self, off: int, buf: bytes) -> int:
+        pf = self.pf
+        async with pf.lock:
+            if not self.dirty:
+                await self._begin_write()
+            await self._wb.queued.drain_entry(self.entry, but=self._queue)  # others' first
+            if self.direct:  # acknowledged now, applied in order in the background
+                if self._queue is None:
+                    self._queue = WriteQueue(self.entry)
+                await self._wb.queued.submit(self._queue, self.entry, off, buf)
+                pf.size = max(pf.size, off + len(buf))
+            else:
+                await self._wb.local_write(self.entry.write, off, buf)
+                pf.size = self.entry.size
+            pf.mtime = time.time()
+        return len(buf)
+
+    async def truncate(self, size: int) -> None:
+        pf = self.pf
+        async with pf.lock:
+            await self._settle()
+            if not self.dirty:
+                await self._wb.uploader.stop(pf)
+            await self._make_local(min(size, self.entry.size))
+            await self._wb.local_write(self.entry.truncate, size)
+            self._wb.mark_written(pf)
+            self.dirty = True
+            pf.size, pf.mtime = size, time.time()
+
+    async def flush(self) -> None:
+        """close(2): seal (and upload or publish) what this handle wrote."""
+        self.closed = True
+        self._wb.journal.notify()
+        await self._seal_reporting()
+
+    async def fsync(self) -> None:
+        await self._seal_reporting()
+
+    async def release(self) -> None:
+        """The last reference to the open file is gone (after close(2) returned)."""
+        pf = self.pf
+        try:
+            if self.dirty and not self.failed:
+                # Written after its last close (a mapping kept past close), or a
+                # close that never came: seal it now, as its class says.
+                try:
+                    await self._seal()
+                except (OSError, StoreError, NotVerified) as exc:
+                    self.failed = True
+                    log.warning("%r: written after its last close and not saved: %s", pf.key, exc)
+        finally:
+            pf.sessions.discard(self)
+            self._wb.journal.notify()
+            if self._queue is not None:
+                # Pages other opens cached may predate these writes. Newer kernels
+                # drop them in the direct write itself (6.18 does); older ones don't.
+                self._wb.invalidate(self.inode)
+            if not pf.sessions:
+                await self._wb.last_closed(pf, self.failed)
+            await self._wb.release_entry(self.entry)
+
+    # -- internals ------------------------------------------------------------------------
+
+    async def _seal_reporting(self) -> None:
+        if not self.dirty:
+            return
+        try:
+            await self._seal()
+        except BaseException:
+            self.failed = True
+            raise
+
+    async def _seal(self) -> None:
+        pf = self.pf
+        async with pf.lock:
+            await self._settle()  # a file with a failed write is never sealed
+            if not self.dirty:
+                return
+            if pf.unlinked:  # lives on in its descriptors only: nothing to keep
+                self.dirty = False
+                return
+            mode = self.settings.write_mode
+            await self._wb.seal_local(pf, self.entry)
+            self.dirty = False
+            if mode == "writeback":
+                return  # durable here; the upload follows the last release
+            try:
+                if mode == "publish":
+                    info = await self._wb.publisher.publish(pf, self.entry, if_match=self.base_etag)
+                    self.base_etag = info.etag
+                else:
+                    await self._wb.land_now(pf, self.entry)
+            except BaseException:
+                self.dirty = True  # not saved: a later fsync or close tries again
+                raise
+
+    async def _settle(self) -> None:
+        """Wait for the file's queued writes; raise this handle's failed one."""
+        if self._queue is not None:
+            await self._wb.queued.drain(self._queue)
+        await self._wb.queued.drain_entry(self.entry)
+
+    async def _begin_write(self) -> None:
+        """First write through this handle since its last seal: the whole object
+        must be local, and no upload may be reading the file while it changes."""
+        await self._wb.uploader.stop(self.pf)
+        await self._make_local(self.entry.size)
+        self._wb.mark_written(self.pf)
+        self.dirty = True
+
+    async def _make_local(self, size: int) -> None:
+        """Fetch the first `size` bytes of a clean entry into tier 1. If the object
+        changed in the store since this handle opened it (ESTALE), write onto the
+        store's current version instead."""
+        if self.entry.state != "clean" or not size:
+            return
+        try:
+            await self._wb.fetch(self.entry, 0, size)
+            return
+        except OSError as exc:
+            if exc.errno != errno.ESTALE:
+                raise
+        info = await self._wb.refresh(self.pf.key)
+        old = self.entry
+        self.entry = await self._wb.open_entry(self.pf.key, info.etag, info.size, info.mtime)
+        await self._wb.release_entry(old)
+        await self._wb.fetch(self.entry, 0, min(size, self.entry.size))
