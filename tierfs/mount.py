@@ -40,6 +40,7 @@ from tierfs.config import (
 from tierfs.control import ControlError, ControlServer, publish, socket_path
 from tierfs.fs import TierFS
 from tierfs.health import StoreHealth
+from tierfs.kept_listings import KeptListings
 from tierfs.kernel import KernelCache, set_kernel_readahead
 from tierfs.metrics import Metrics
 from tierfs.namespace import Namespace
@@ -104,7 +105,8 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
                                   cap=cfg.max_parallel_puts * cfg.part_size, exact=True)
         kernel = KernelCache()
         journal = Journal()
-        ns = Namespace(store, cache, policy, workers, health=health, overlay=journal,
+        kept = KeptListings(cache, workers)
+        ns = Namespace(store, cache, policy, workers, health=health, kept=kept, overlay=journal,
                        on_changed=kernel.drop_pages, on_gone=kernel.drop_name)
         reader = Reader(
             store, workers, nursery, budget=budget, parts=parts, serve=serve_buffers,
@@ -149,6 +151,7 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
 
         nursery.start_soon(health.watch, partial(workers.meta, store.check))
         nursery.start_soon(kernel.run)
+        nursery.start_soon(kept.run)
         await wb.recover()
         nursery.start_soon(uploader.run)
         nursery.start_soon(ctl.refresh_live)

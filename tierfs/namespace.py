@@ -29,6 +29,7 @@ import trio
 from tierfs.cache import Cache
 from tierfs.config import DEGRADED_RETRY, ClassSettings
 from tierfs.health import StoreHealth
+from tierfs.kept_listings import KeptListings
 from tierfs.policy import Policy
 from tierfs.store.base import UNREACHABLE_KINDS, Listing, ObjectInfo, Store, StoreError
 from tierfs.workers import Workers
@@ -126,6 +127,7 @@ class Namespace:
         workers: Workers,
         *,
         health: StoreHealth,
+        kept: KeptListings,
         overlay: LocalOverlay,
         on_changed: Callable[[int], None],
         on_gone: Callable[[int, str], None],
@@ -135,6 +137,7 @@ class Namespace:
         self.policy = policy
         self.workers = workers
         self.health = health
+        self.kept = kept
         self.overlay = overlay
         self.on_changed = on_changed  # an inode's object changed: drop the kernel's pages
         self.on_gone = on_gone  # a name the kernel may remember is gone
@@ -265,8 +268,18 @@ class Namespace:
             return
         pending = self._listing[node.inode] = _Pending()
         try:
-            listing, complete = await self._fetch_listing(node)
-            self._install_listing(node, listing, complete)
+            ttl = node.settings.list_ttl
+            kept = await self.kept.load(node.key, ttl) if node.children is None else None
+            if kept is not None:  # this directory's first listing since the mount
+                listing, left = kept
+                self._install_listing(node, listing, taken=time.monotonic() - (ttl - left))
+            else:
+                generation = self.kept.generation(node.key)
+                taken = time.time()
+                listing, complete = await self._fetch_listing(node)
+                self._install_listing(node, listing, complete)
+                if complete:
+                    await self.kept.keep(node.key, listing, taken, ttl, generation)
         except BaseException as exc:
             pending.error = exc
             raise
@@ -274,11 +287,14 @@ class Namespace:
             del self._listing[node.inode]
             pending.done.set()
 
-    def _install_listing(self, node: Node, listing: Listing, complete: bool = True) -> None:
+    def _install_listing(self, node: Node, listing: Listing, complete: bool = True,
+                         taken: float | None = None) -> None:
         """Take a listing. An incomplete one (the index's, the store being away)
         adds to what this mount knew of the directory; if that is nothing at all,
-        the directory's entries are unknown: EIO, not an empty directory."""
-        now = time.monotonic()
+        the directory's entries are unknown: EIO, not an empty directory.
+        `taken`: when it was listed (monotonic; a kept listing is older than now):
+        it and its entries' attributes expire that long after."""
+        now = time.monotonic() if taken is None else taken
         children: dict[str, int] = {}
         if not complete and node.children is not None:
             children = {n: i for n, i in node.children.items() if i in self._nodes}
@@ -340,14 +356,41 @@ class Namespace:
         if settings.revalidate_on_open:
             node = await self._lookup_strict(parent, name, path)
         else:
-            if self._listing_stale(parent):
-                await self._refresh_children(parent)
-            assert parent.children is not None
-            inode = parent.children.get(name)
-            if inode is None:
-                raise _absent(parent)
-            node = self._nodes[inode]
+            found = await self._listed_dir(parent, name, path) if self._listing_stale(parent) else None
+            if found is not None:
+                node = found
+            else:
+                if self._listing_stale(parent):
+                    await self._refresh_children(parent)
+                assert parent.children is not None
+                inode = parent.children.get(name)
+                if inode is None:
+                    raise _absent(parent)
+                node = self._nodes[inode]
         node.lookups += 1
+        return node
+
+    async def _listed_dir(self, parent: Node, name: str, path: str) -> Node | None:
+        """`path` as a directory whose own listing is fresh (listed by this mount or
+        kept from an earlier one), found without listing the parent again: a
+        directory listed within its TTL exists within it. (A dataset directory in
+        a default-class parent, looked up after a remount: 0 LISTs.)"""
+        inode = self._by_path.get(path)
+        node = self._nodes.get(inode) if inode is not None else None
+        if node is not None and node.is_dir and not self._listing_stale(node):
+            return node
+        if (node is not None and not node.is_dir) or self.health.degraded:
+            return None
+        settings = self.policy.settings(path)
+        kept = await self.kept.load(f"{path}/", settings.list_ttl)
+        if kept is None:
+            return None
+        listing, left = kept
+        node = self._node_for(path, True)
+        if node.children is None:  # (another lookup may have listed it meanwhile)
+            self._install_listing(node, listing, taken=time.monotonic() - (settings.list_ttl - left))
+        if parent.children is not None:
+            parent.children[name] = node.inode
         return node
 
     async def _lookup_strict(self, parent: Node, name: str, path: str) -> Node:
@@ -496,6 +539,9 @@ class Namespace:
             node.children_epoch = self.health.epoch
         if parent.children is not None:
             parent.children[name] = node.inode
+        self.kept.changed(parent.key)
+        if is_dir:
+            self.kept.changed(node.key)  # a listing kept from an earlier directory of that name
         node.lookups += 1
         return node
 
@@ -504,9 +550,13 @@ class Namespace:
         path = join(parent.path, name)
         if parent.children is not None:
             parent.children.pop(name, None)
+        self.kept.changed(parent.key)
         inode = self._by_path.pop(path, None)
         if inode is not None and self._nodes[inode].is_dir:  # a file has nothing below it
+            self.kept.changed(f"{path}/")
             for sub in [p for p in self._by_path if p.startswith(path + "/")]:
+                if self._nodes[self._by_path[sub]].is_dir:
+                    self.kept.changed(f"{sub}/")
                 del self._by_path[sub]
 
     def move(self, old_parent: int, old_name: str, new_parent: int, new_name: str) -> None:
@@ -517,6 +567,7 @@ class Namespace:
         self.remove(new_parent, new_name)
         if src.children is not None:
             src.children.pop(old_name, None)
+        self.kept.changed(src.key)
         if inode is None:
             dst.children_expire = -math.inf  # unknown here: the next lookup re-lists
             return
@@ -524,9 +575,13 @@ class Namespace:
         for path in sorted([old_path, *below]):
             moved = self._by_path.pop(path)
             node = self._nodes[moved]
+            if node.is_dir:  # its listings, old and new name, are this mount's to tell now
+                self.kept.changed(node.key)
             node.path = new_path + path[len(old_path):]
             node.settings = self.policy.settings(node.path)
             self._by_path[node.path] = moved
+            if node.is_dir:
+                self.kept.changed(node.key)
         if dst.children is not None:
             dst.children[new_name] = inode
 
@@ -534,6 +589,7 @@ class Namespace:
         """A local file landed in the store: take its store attributes quietly (and
         show its name, if a cached listing of its directory lacks it: a file put
         back from quarantine)."""
+        self.kept.changed(key.rpartition("/")[0] + "/" if "/" in key else "")
         inode = self._by_path.get(key)
         if inode is not None:
             node = self._nodes[inode]
