@@ -253,6 +253,9 @@ class MountConfig:
     # page faults (4 KiB, in tensor order) hit local disk, not the store.
     prefetch_globs: tuple[str, ...] = ("*.safetensors", "*.pt", "*.pth", "*.bin")
     prefetch_min_size: int = 64 * MiB
+    # Objects up to this size are fetched whole by any read of them and kept in
+    # tier 1 like any object (images, clips, JSON of a small-files dataset).
+    whole_object_max: int = 1 * MiB
 
     rules: tuple[tuple[str, str], ...] = DEFAULT_RULES
     classes: dict[str, ClassSettings] = field(default_factory=lambda: dict(DEFAULT_CLASSES))
@@ -441,6 +444,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("read", "kernel_read_ahead_kb"): ("kernel_read_ahead_kb", _want_pos_int),
     ("read", "prefetch_globs"): ("prefetch_globs", _want_globs),
     ("read", "prefetch_min_size"): ("prefetch_min_size", _want_size),
+    ("read", "whole_object_max"): ("whole_object_max", _want_size),
     ("metrics", "addr"): ("metrics_addr", _want_str),
     ("metrics", "allow_remote"): ("metrics_allow_remote", _want_bool),
     ("logging", "level"): ("log_level", _want_level),

@@ -118,6 +118,7 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
             # load_file 3.44 s, 3 of 4 3.01 s (medians of 4 alternating runs).
             prefetch_parallel=max(1, data_slots - 1),
             landed_bytes=cfg.max_inflight_bytes,
+            whole_object_max=cfg.whole_object_max,
         )
         queued = QueuedWrites(nursery, _apply_write(workers), QUEUED_WRITES, budget)
         reads = ReadPath(reader, cache, workers, health, prefetch_globs=cfg.prefetch_globs,
