@@ -48,6 +48,8 @@ from tierfs.ops import ControlOps, MountInfo
 from tierfs.policy import Policy
 from tierfs.read.handles import ReadPath
 from tierfs.read.reader import SERVE_BUFFER, Reader
+from tierfs.read.walkahead import WalkAhead
+from tierfs.read.walks import Walks
 from tierfs.sdnotify import notify
 from tierfs.store.base import Store, StoreError
 from tierfs.tree import TreeChanges
@@ -89,7 +91,7 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
     tune_malloc()  # before the worker threads exist: bounds RSS
     data_slots = min(cfg.max_parallel_gets, max(1, cfg.max_inflight_bytes // cfg.part_size))
     workers = Workers(data=data_slots, upload=cfg.max_parallel_puts,
-                      meta=cfg.meta_threads, disk=cfg.disk_threads)
+                      meta=cfg.meta_threads, disk=cfg.disk_threads, small=cfg.max_parallel_gets)
     policy = Policy(cfg.rules, cfg.classes, cfg.default_class)
     cache_dir = cfg.resolved_cache_dir()
     stop = trio.Event()
@@ -121,9 +123,13 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
             whole_object_max=cfg.whole_object_max,
         )
         queued = QueuedWrites(nursery, _apply_write(workers), QUEUED_WRITES, budget)
+        walk_ahead = WalkAhead(reader, cache, workers, health, children=ns.children_of,
+                               stored=ns.stored_file, whole_max=cfg.whole_object_max,
+                               parallel=max(1, cfg.max_parallel_gets - 1), walks=Walks())
         reads = ReadPath(reader, cache, workers, health, prefetch_globs=cfg.prefetch_globs,
                          prefetch_min_size=cfg.prefetch_min_size,
-                         observe_latency=metrics.read_latency, settle=queued.drain_entry)
+                         observe_latency=metrics.read_latency, settle=queued.drain_entry,
+                         walk_ahead=walk_ahead)
         quarantine = Quarantine(cache_dir / "quarantine", cache)
         uploader = Uploader(
             store, cache, journal, quarantine, workers, upload_parts, health,
@@ -153,6 +159,7 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
         nursery.start_soon(health.watch, partial(workers.meta, store.check))
         nursery.start_soon(kernel.run)
         nursery.start_soon(kept.run)
+        nursery.start_soon(walk_ahead.run)
         await wb.recover()
         nursery.start_soon(uploader.run)
         nursery.start_soon(ctl.refresh_live)

@@ -211,6 +211,21 @@ class Namespace:
             or node.children_epoch != self.health.epoch
         )
 
+    def children_of(self, path: str) -> dict[str, int] | None:
+        """The entries (name -> inode) held for directory `path`, if it was listed
+        (read/walkahead.py orders them; a new listing is a new dict)."""
+        inode = self._by_path.get(path)
+        node = self._nodes.get(inode) if inode is not None else None
+        return node.children if node is not None and node.is_dir else None
+
+    def stored_file(self, inode: int) -> ObjectInfo | None:
+        """A file's store attributes as last listed or checked; None for a directory
+        or a file that exists only here."""
+        node = self._nodes.get(inode)
+        if node is None or node.is_dir or not node.etag:
+            return None
+        return ObjectInfo(node.path, node.size, node.etag, node.mtime)
+
     def expire_listing(self, node: Node) -> None:
         """The next lookup or readdir of `node` lists it from the store again."""
         node.children_expire = -math.inf

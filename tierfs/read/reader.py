@@ -668,7 +668,7 @@ class Reader:
             raise
         try:
             await self._fly(self._get_and_store_small, entry, a, b, flight, self._flights,
-                            entry.chunk_size)
+                            entry.chunk_size, slots=self.workers.small)
         finally:
             self.budget.give(b - a)
 
@@ -695,12 +695,14 @@ class Reader:
         flight: _Flight,
         table: dict[tuple[int, int], _Flight],
         unit: int,
+        slots: Callable[..., Awaitable[None]] | None = None,
     ) -> None:
-        """Run one fetch in a worker; waiters learn its outcome; its claims on
-        `table` (units of `unit` bytes) are released whatever happens."""
+        """Run one fetch in a worker (a data slot unless `slots` says otherwise);
+        waiters learn its outcome; its claims on `table` (units of `unit` bytes)
+        are released whatever happens."""
         error: BaseException | None = None
         try:
-            await self.workers.data(fetch, entry, a, b)
+            await (slots or self.workers.data)(fetch, entry, a, b)
         except Exception as exc:
             error = _as_oserror(exc)
         except BaseException:
