@@ -81,6 +81,10 @@ class ClassSettings:
     # write-back; large writes (checkpoints: 1 MiB+) are faster, small ones
     # (< 64 KiB) slower, a round trip each. Read-write opens (mmap) keep it.
     direct_writes: bool = False
+    # Listings of this class's directories are kept in the tier-1 index and a
+    # later mount takes them within list_ttl (no LIST of a big dataset directory
+    # after a remount); other classes list again after a remount.
+    keep_listings: bool = False
 
 
 # The largest per-stream readahead window of the bulk classes. It matches the
@@ -147,7 +151,7 @@ QUEUED_WRITES = 32 * MiB
 DEFAULT_CLASSES: dict[str, ClassSettings] = {
     "dataset": ClassSettings(
         "dataset", attr_ttl=300.0, list_ttl=300.0, revalidate_on_open=False,
-        keep_cache=True, write_mode="writethrough", readahead_max=READAHEAD,
+        keep_cache=True, write_mode="writethrough", readahead_max=READAHEAD, keep_listings=True,
     ),
     "checkpoint": ClassSettings(
         "checkpoint", attr_ttl=60.0, list_ttl=60.0, revalidate_on_open=False,
@@ -458,6 +462,7 @@ _CLASS_KEYS: dict[str, Callable[[Any], Any]] = {
     "write_mode": _want_str,
     "readahead_max": _want_size,
     "direct_writes": _want_bool,
+    "keep_listings": _want_bool,
 }
 _TOP_SPECIAL = {"rules", "default_rules"}
 

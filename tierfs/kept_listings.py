@@ -4,7 +4,10 @@ The namespace keeps each complete listing it gets from the store in the tier-1
 index (cache/listings.py holds the record) and, the first time a directory is
 needed after a mount, takes the kept one if it was taken less than the
 directory's listing TTL ago: `ls -l` of a 10,000-object dataset directory after
-a remount sends no LIST.
+a remount sends no LIST. Only classes with `keep_listings` (dataset, by
+default) are kept: a remount lists other directories again, as users of
+mutable paths expect (an object replaced by another tool between two mounts
+shows at once).
 
 What this mount changes in a directory (a file created, removed, renamed or
 uploaded) drops that directory's kept listing, in the background but before
@@ -21,10 +24,16 @@ import time
 import trio
 
 from tierfs.cache import Cache
+from tierfs.config import ClassSettings
 from tierfs.store.base import Listing
 from tierfs.workers import Workers
 
 log = logging.getLogger(__name__)
+
+
+def kept_ttl(settings: ClassSettings) -> float:
+    """How long a kept listing of a directory of this class stays usable (0: not kept)."""
+    return settings.list_ttl if settings.keep_listings else 0.0
 
 
 class KeptListings:

@@ -29,7 +29,7 @@ import trio
 from tierfs.cache import Cache
 from tierfs.config import DEGRADED_RETRY, ClassSettings
 from tierfs.health import StoreHealth
-from tierfs.kept_listings import KeptListings
+from tierfs.kept_listings import KeptListings, kept_ttl
 from tierfs.policy import Policy
 from tierfs.store.base import UNREACHABLE_KINDS, Listing, ObjectInfo, Store, StoreError
 from tierfs.workers import Workers
@@ -283,7 +283,7 @@ class Namespace:
             return
         pending = self._listing[node.inode] = _Pending()
         try:
-            ttl = node.settings.list_ttl
+            ttl = kept_ttl(node.settings)
             kept = await self.kept.load(node.key, ttl) if node.children is None else None
             if kept is not None:  # this directory's first listing since the mount
                 listing, left = kept
@@ -397,13 +397,14 @@ class Namespace:
         if (node is not None and not node.is_dir) or self.health.degraded:
             return None
         settings = self.policy.settings(path)
-        kept = await self.kept.load(f"{path}/", settings.list_ttl)
+        ttl = kept_ttl(settings)
+        kept = await self.kept.load(f"{path}/", ttl)
         if kept is None:
             return None
         listing, left = kept
         node = self._node_for(path, True)
         if node.children is None:  # (another lookup may have listed it meanwhile)
-            self._install_listing(node, listing, taken=time.monotonic() - (settings.list_ttl - left))
+            self._install_listing(node, listing, taken=time.monotonic() - (ttl - left))
         if parent.children is not None:
             parent.children[name] = node.inode
         return node
