@@ -60,7 +60,7 @@ class ReadPath:
         except BaseException:
             await self.workers.disk(self.cache.release, entry)
             raise
-        self.walk_ahead.opened(key)
+        self.walk_ahead.opened(key, present=entry.state == "clean" and not entry.missing(0, size))
         return ReadHandle(self, entry, settings)
 
     async def read(

@@ -74,16 +74,23 @@ class WalkAhead:
         self._orders: OrderedDict[str, _Order] = OrderedDict()
         self._send, self._queue = trio.open_memory_channel[ObjectInfo](QUEUED)
         self._wanted: set[str] = set()  # keys queued or being fetched
+        self._ahead: OrderedDict[str, bool] = OrderedDict()  # fetched ahead, not opened since
         self.fetched = 0  # objects fetched ahead (status, tests)
 
-    def opened(self, key: str) -> None:
-        """The reader opened object `key` (from the trio loop): queue what its walk
-        wants next, if this open continues one."""
+    def opened(self, key: str, present: bool) -> None:
+        """The reader opened object `key` (from the trio loop), whole in tier 1 or
+        not (`present`): queue what its walk wants next, if this open continues
+        one. A walk over objects tier 1 held before (not fetched ahead here: a
+        warm pass) is followed but fetches nothing: each look would cost a
+        worker hop per file for nothing."""
         directory, _, name = key.rpartition("/")
         order = self._order(directory)
         if order is None or name not in order.pos:
             return
-        for p in self.walks.opened(directory, order.pos[name], len(order.names)):
+        ahead = self.walks.opened(directory, order.pos[name], len(order.names))
+        if present and not self._ahead.pop(key, False) and key not in self._wanted:
+            return
+        for p in ahead:
             inode = order.children.get(order.names[p])
             info = self._stored(inode) if inode is not None else None
             if info is None or not 0 < info.size <= self.whole_max or info.key in self._wanted:
@@ -135,5 +142,8 @@ class WalkAhead:
                 and await self.reader.ensure(entry, 0, entry.size, whole_parts=False)
             ):
                 self.fetched += 1
+                self._ahead[info.key] = True
+                if len(self._ahead) > 2 * QUEUED:
+                    self._ahead.popitem(last=False)
         finally:
             await self.workers.disk(self.cache.release, entry)
