@@ -458,16 +458,18 @@ class Reader:
             self.budget.give(b - a)
 
     def _get_and_store_pages(self, entry: Entry, a: int, b: int) -> None:
+        _into_tier1(entry, entry.store_pages, a, self._get_own(entry, a, b))
+
+    def _get_own(self, entry: Entry, a: int, b: int) -> memoryview:
+        """[a, b) of the object in memory of its own size (taken from the budget by
+        the caller). Unaligned: tier 1 writes it through the page cache, as an
+        O_DIRECT write would wait for the device with the fetch slot held (a 100
+        KiB object: 1,431 vs 658 us, bench/tier1cost.py, 10,000 objects, median of 3)."""
         buf = memoryview(bytearray(b - a))
         n = self.store.get_range_into(entry.key, a, b - a, buf, entry.etag)
         if n != b - a:
             raise StoreError(f"short read of {entry.key!r}: {n} of {b - a} bytes")
-        try:
-            entry.store_pages(a, buf)
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise _NoRoom(entry.key) from exc
-            raise
+        return buf
 
     def prefetch(self, entry: Entry, start: int, end: int) -> None:
         """Start background fetches of every part of [start, end) not present or in flight."""
@@ -675,19 +677,7 @@ class Reader:
     def _get_and_store_small(self, entry: Entry, a: int, b: int) -> None:
         if entry.closed:
             raise _Abandoned(entry.key)
-        # Unaligned memory: tier 1 writes it through the page cache. An O_DIRECT
-        # write waits for the device with the fetch slot held: 1,431 vs 658 us per
-        # 100 KiB object (bench/tier1cost.py, 10,000 objects, median of 3).
-        buf = memoryview(bytearray(b - a))
-        n = self.store.get_range_into(entry.key, a, b - a, buf, entry.etag)
-        if n != b - a:
-            raise StoreError(f"short read of {entry.key!r}: {n} of {b - a} bytes")
-        try:
-            entry.store(a, buf)
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise _NoRoom(entry.key) from exc
-            raise
+        _into_tier1(entry, entry.store, a, self._get_own(entry, a, b))
 
     async def _fly(
         self,
@@ -756,6 +746,17 @@ async def _wait_all(flights: list[_Flight]) -> None:
         await flight.done.wait()
         if flight.error is not None:
             raise flight.error
+
+
+def _into_tier1(entry: Entry, put: Callable[[int, memoryview], None], a: int,
+                buf: memoryview) -> None:
+    """`put` fetched bytes into tier 1; a full cache disk is _NoRoom (read through)."""
+    try:
+        put(a, buf)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise _NoRoom(entry.key) from exc
+        raise
 
 
 def _pages_ok(entry: Entry) -> bool:
