@@ -93,6 +93,10 @@ class ClassSettings:
     # attributes are unknown asks the store (one HEAD): it may be a symlink or a
     # FIFO another node made. Off for datasets: a listing answers them (0 HEADs).
     type_small_objects: bool = True
+    # Listings of this class's directories are kept in the tier-1 index and a
+    # later mount takes them within list_ttl (no LIST of a big dataset directory
+    # after a remount); other classes list again after a remount.
+    keep_listings: bool = False
 
 
 # The largest per-stream readahead window of the bulk classes. It matches the
@@ -167,6 +171,7 @@ DEFAULT_CLASSES: dict[str, ClassSettings] = {
         keep_cache=True, write_mode="writeback", readahead_max=READAHEAD,
         upload_delay=QUIET_DELAY,
         type_small_objects=False,
+        keep_listings=True,
     ),
     "checkpoint": ClassSettings(
         "checkpoint", attr_ttl=60.0, list_ttl=60.0, revalidate_on_open=False,
@@ -303,6 +308,9 @@ class MountConfig:
     # page faults (4 KiB, in tensor order) hit local disk, not the store.
     prefetch_globs: tuple[str, ...] = ("*.safetensors", "*.pt", "*.pth", "*.bin")
     prefetch_min_size: int = 64 * MiB
+    # Objects up to this size are fetched whole by any read of them and kept in
+    # tier 1 like any object (images, clips, JSON of a small-files dataset).
+    whole_object_max: int = 1 * MiB
 
     rules: tuple[tuple[str, str], ...] = DEFAULT_RULES
     classes: dict[str, ClassSettings] = field(default_factory=lambda: dict(DEFAULT_CLASSES))
@@ -517,6 +525,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("read", "kernel_read_ahead_kb"): ("kernel_read_ahead_kb", _want_pos_int),
     ("read", "prefetch_globs"): ("prefetch_globs", _want_globs),
     ("read", "prefetch_min_size"): ("prefetch_min_size", _want_size),
+    ("read", "whole_object_max"): ("whole_object_max", _want_size),
     ("metrics", "addr"): ("metrics_addr", _want_str),
     ("metrics", "allow_remote"): ("metrics_allow_remote", _want_bool),
     ("logging", "level"): ("log_level", _want_level),
@@ -533,6 +542,7 @@ _CLASS_KEYS: dict[str, Callable[[Any], Any]] = {
     "upload_delay": _want_delay,
     "publish": _want_str,
     "type_small_objects": _want_bool,
+    "keep_listings": _want_bool,
 }
 _TOP_SPECIAL = {"rules", "default_rules"}
 

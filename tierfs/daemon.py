@@ -59,11 +59,12 @@ class Daemon:
         """Every check that needs no mount; raises MountError with the reason."""
         cfg = self.cfg
         try:
+            # Connections: data and small-object GETs (max_parallel_gets each), puts, metadata.
             self.store = open_store(
                 cfg.source,
                 endpoint_url=cfg.endpoint_url,
                 part_size=cfg.part_size,
-                max_connections=cfg.max_parallel_gets + cfg.max_parallel_puts + cfg.meta_threads,
+                max_connections=2 * cfg.max_parallel_gets + cfg.max_parallel_puts + cfg.meta_threads,
                 connect_timeout=cfg.connect_timeout,
                 read_timeout=cfg.read_timeout,
                 deadline=cfg.deadline,

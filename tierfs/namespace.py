@@ -37,6 +37,7 @@ import trio
 from tierfs.cache import Cache
 from tierfs.config import DEGRADED_RETRY, ClassSettings
 from tierfs.health import StoreHealth
+from tierfs.kept_listings import KeptListings, kept_ttl
 from tierfs.policy import Policy
 from tierfs.posix import (
     SYMLINK_MAX,
@@ -146,6 +147,7 @@ class Namespace:
         workers: Workers,
         *,
         health: StoreHealth,
+        kept: KeptListings,
         overlay: LocalOverlay,
         on_changed: Callable[[int], None],
         on_gone: Callable[[int, str], None],
@@ -156,6 +158,7 @@ class Namespace:
         self.policy = policy
         self.workers = workers
         self.health = health
+        self.kept = kept
         self.overlay = overlay
         self.on_changed = on_changed  # an inode's object changed: drop the kernel's pages
         self.on_gone = on_gone  # a name the kernel may remember is gone
@@ -361,6 +364,21 @@ class Namespace:
             or node.children_epoch != self.health.epoch
         )
 
+    def children_of(self, path: str) -> dict[str, int] | None:
+        """The entries (name -> inode) held for directory `path`, if it was listed
+        (read/walkahead.py orders them; a new listing is a new dict)."""
+        inode = self._by_path.get(path)
+        node = self._nodes.get(inode) if inode is not None else None
+        return node.children if node is not None and node.is_dir else None
+
+    def stored_file(self, inode: int) -> ObjectInfo | None:
+        """A file's store attributes as last listed or checked; None for a directory
+        or a file that exists only here."""
+        node = self._nodes.get(inode)
+        if node is None or node.is_dir or not node.etag:
+            return None
+        return ObjectInfo(node.path, node.size, node.etag, node.mtime)
+
     def expire_listing(self, node: Node) -> None:
         """The next lookup or readdir of `node` lists it from the store again."""
         node.children_expire = -math.inf
@@ -418,11 +436,22 @@ class Namespace:
             return
         pending = self._listing[node.inode] = _Pending()
         try:
-            listing, complete = await self._fetch_listing(node)
+            ttl = kept_ttl(node.settings)
+            kept = await self.kept.load(node.key, ttl) if node.children is None else None
+            taken: float | None = None
+            if kept is not None:  # this directory's first listing since the mount
+                listing, left = kept
+                complete, taken = True, time.monotonic() - (ttl - left)
+            else:
+                generation = self.kept.generation(node.key)
+                listed_at = time.time()
+                listing, complete = await self._fetch_listing(node)
             known = await self._known([
                 *(i.key for i in listing.files if self._unknown(i)),
                 *(f"{node.key}{d}/" for d in listing.dirs if self._unknown_dir(node, d))])
-            self._install_listing(node, listing, complete, known)
+            self._install_listing(node, listing, complete, known, taken=taken)
+            if kept is None and complete:
+                await self.kept.keep(node.key, listing, listed_at, ttl, generation)
         except BaseException as exc:
             pending.error = exc
             raise
@@ -440,11 +469,14 @@ class Namespace:
         return inode is None or self._nodes[inode].attrs is None
 
     def _install_listing(self, node: Node, listing: Listing, complete: bool = True,
-                         known: Mapping[str, Known] | None = None) -> None:
+                         known: Mapping[str, Known] | None = None,
+                         taken: float | None = None) -> None:
         """Take a listing. An incomplete one (the index's, the store being away)
         adds to what this mount knew of the directory; if that is nothing at all,
-        the directory's entries are unknown: EIO, not an empty directory."""
-        now = time.monotonic()
+        the directory's entries are unknown: EIO, not an empty directory.
+        `taken`: when it was listed (monotonic; a kept listing is older than now):
+        it and its entries' attributes expire that long after."""
+        now = time.monotonic() if taken is None else taken
         children: dict[str, int] = {}
         if not complete and node.children is not None:
             children = {n: i for n, i in node.children.items() if i in self._nodes}
@@ -510,17 +542,21 @@ class Namespace:
         if settings.revalidate_on_open:
             node = await self._lookup_strict(parent, name, path)
         else:
-            if self._listing_stale(parent):
-                await self._refresh_children(parent)
-            assert parent.children is not None
-            inode = parent.children.get(name)
-            if inode is None:
-                raise _absent(parent)
-            node = self._nodes[inode]
-            if self.untyped(node):  # a symlink or FIFO of another node's? one HEAD tells
-                await self.revalidate(node)
-                node = self._nodes[self._by_path[path]]
-                parent.children[name] = node.inode
+            found = await self._listed_dir(parent, name, path) if self._listing_stale(parent) else None
+            if found is not None:
+                node = found
+            else:
+                if self._listing_stale(parent):
+                    await self._refresh_children(parent)
+                assert parent.children is not None
+                inode = parent.children.get(name)
+                if inode is None:
+                    raise _absent(parent)
+                node = self._nodes[inode]
+                if self.untyped(node):  # a symlink or FIFO of another node's? one HEAD tells
+                    await self.revalidate(node)
+                    node = self._nodes[self._by_path[path]]
+                    parent.children[name] = node.inode
         node.lookups += 1
         return node
 
@@ -530,6 +566,30 @@ class Namespace:
         return (node.attrs is None and not node.is_dir and bool(node.etag)
                 and node.size <= SYMLINK_MAX and node.settings.type_small_objects
                 and not self.health.degraded)
+
+    async def _listed_dir(self, parent: Node, name: str, path: str) -> Node | None:
+        """`path` as a directory whose own listing is fresh (listed by this mount or
+        kept from an earlier one), found without listing the parent again: a
+        directory listed within its TTL exists within it. (A dataset directory in
+        a default-class parent, looked up after a remount: 0 LISTs.)"""
+        inode = self._by_path.get(path)
+        node = self._nodes.get(inode) if inode is not None else None
+        if node is not None and node.is_dir and not self._listing_stale(node):
+            return node
+        if (node is not None and not node.is_dir) or self.health.degraded:
+            return None
+        settings = self.policy.settings(path)
+        ttl = kept_ttl(settings)
+        kept = await self.kept.load(f"{path}/", ttl)
+        if kept is None:
+            return None
+        listing, left = kept
+        node = self._node_for(path, True)
+        if node.children is None:  # (another lookup may have listed it meanwhile)
+            self._install_listing(node, listing, taken=time.monotonic() - (ttl - left))
+        if parent.children is not None:
+            parent.children[name] = node.inode
+        return node
 
     async def _lookup_strict(self, parent: Node, name: str, path: str) -> Node:
         """Manifest-class lookup: the store's word, never the listing cache
@@ -686,6 +746,9 @@ class Namespace:
             node.children_epoch = self.health.epoch
         if parent.children is not None:
             parent.children[name] = node.inode
+        self.kept.changed(parent.key)
+        if is_dir:
+            self.kept.changed(node.key)  # a listing kept from an earlier directory of that name
         node.lookups += 1
         self.touch_dir(parent_inode)
         return node
@@ -695,12 +758,16 @@ class Namespace:
         path = join(parent.path, name)
         if parent.children is not None:
             parent.children.pop(name, None)
+        self.kept.changed(parent.key)
         inode = self._by_path.pop(path, None)
         if inode is not None:
             self._remember[self._nodes[inode].key] = None
         self.touch_dir(parent_inode)
         if inode is not None and self._nodes[inode].is_dir:  # a file has nothing below it
+            self.kept.changed(f"{path}/")
             for sub in [p for p in self._by_path if p.startswith(path + "/")]:
+                if self._nodes[self._by_path[sub]].is_dir:
+                    self.kept.changed(f"{sub}/")
                 del self._by_path[sub]
 
     def move(self, old_parent: int, old_name: str, new_parent: int, new_name: str) -> None:
@@ -712,6 +779,7 @@ class Namespace:
         if src.children is not None:
             src.children.pop(old_name, None)
         self.touch_dir(old_parent)
+        self.kept.changed(src.key)
         if inode is None:
             dst.children_expire = -math.inf  # unknown here: the next lookup re-lists
             return
@@ -720,10 +788,14 @@ class Namespace:
         for path in sorted([old_path, *below]):
             moved = self._by_path.pop(path)
             node = self._nodes[moved]
+            if node.is_dir:  # its listings, old and new name, are this mount's to tell now
+                self.kept.changed(node.key)
             self._remember[node.key] = None
             node.path = new_path + path[len(old_path):]
             node.settings = self.policy.settings(node.path)
             self._by_path[node.path] = moved
+            if node.is_dir:
+                self.kept.changed(node.key)
             if moved == inode and node.attrs is not None:  # rename(2) moves the ctime
                 node.attrs = replace(node.attrs, ctime_ns=now)
             self._note(node)
@@ -734,6 +806,7 @@ class Namespace:
         """A local file landed in the store (or an object was copied): take its store
         attributes quietly (and show its name, if a cached listing of its directory
         lacks it: a file put back from quarantine). `info.metadata` is the object's."""
+        self.kept.changed(key.rpartition("/")[0] + "/" if "/" in key else "")
         self._took(key, info)
         await self.remember()
 

@@ -1,10 +1,14 @@
 """Blocking work off the trio loop, each kind with its own explicit capacity.
 
 boto3 calls and large local file I/O run in worker threads; the limits keep
-the number of threads (and so sockets and fds) bounded. Four kinds, so that
-none queues behind another: `data` (ranged GETs), `upload` (PUTs and parts:
-uploads never take the slots reads need), `meta` (HEAD, LIST, DELETE, COPY:
-a `stat` never waits behind a wall of GETs) and `disk` (tier-1 I/O, index).
+the number of threads (and so sockets and fds) bounded. Five kinds, so that
+none queues behind another: `data` (ranged GETs into part buffers: their
+slots bound the part-sized bytes in flight), `small` (GETs of whole small
+objects: each holds only its own size of the memory budget, and a walk
+through a directory of them is bound by round trips, not bytes), `upload`
+(PUTs and parts: uploads never take the slots reads need), `meta` (HEAD,
+LIST, DELETE, COPY: a `stat` never waits behind a wall of GETs) and `disk`
+(tier-1 I/O, index).
 
 A store operation that backs off between retries (store/retry.py) gives its
 slot back for the wait, which it spends in trio (`Kind._pause`): a store that
@@ -87,13 +91,18 @@ class Kind:
 
 
 class Workers:
-    def __init__(self, *, data: int, upload: int, meta: int, disk: int) -> None:
-        self.kinds = {"data": Kind(data), "upload": Kind(upload), "meta": Kind(meta),
-                      "disk": Kind(disk)}
+    def __init__(self, *, data: int, upload: int, meta: int, disk: int,
+                 small: int | None = None) -> None:
+        self.kinds = {"data": Kind(data), "small": Kind(data if small is None else small),
+                      "upload": Kind(upload), "meta": Kind(meta), "disk": Kind(disk)}
 
     async def data(self, fn: Callable[..., T], *args: object) -> T:
         """A ranged GET of object bytes."""
         return await self.kinds["data"].run(fn, *args)
+
+    async def small(self, fn: Callable[..., T], *args: object) -> T:
+        """A GET of a whole small object."""
+        return await self.kinds["small"].run(fn, *args)
 
     async def upload(self, fn: Callable[..., T], *args: object) -> T:
         """A PUT of object bytes, one part of a multipart upload, or its start/end."""

@@ -354,6 +354,8 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._rules: list[_Active] = []
         self._stats: Counter[tuple[str, str]] = Counter()
+        self._inflight: Counter[str] = Counter()  # requests of each op being answered now
+        self._peak: Counter[str] = Counter()  # the most of each op answered at once
         self._generation = 0  # bumped on every rule change: releases held blackholes
         self._partitioned = False
         self._request_ids = itertools.count(1)
@@ -439,10 +441,18 @@ class FaultProxy:
         with self._lock:
             return Counter(self._stats)
 
+    def peak_inflight(self, op: str) -> int:
+        """The most requests of `op` in flight at once (received, not yet answered
+        in full) since the start or the last `reset_stats`: how parallel a client is,
+        read from request timing rather than from a wall clock."""
+        with self._lock:
+            return self._peak[op]
+
     def reset_stats(self) -> None:
-        """Zero the counters and empty the log."""
+        """Zero the counters (peaks included) and empty the log."""
         with self._lock:
             self._stats.clear()
+            self._peak = Counter(self._inflight)
             self.log.clear()
 
     # -- serving (trio thread) ------------------------------------------------
@@ -516,6 +526,21 @@ class FaultProxy:
         method, target, version = start
         op = classify(method, target, headers)
         fault, delay, generation = self._decide(op, method, target, headers.get("range", ""))
+        with self._lock:
+            self._inflight[op] += 1
+            self._peak[op] = max(self._peak[op], self._inflight[op])
+        try:
+            return await self._answer(conn, head, method, target, version, headers, fault, delay,
+                                      generation)
+        finally:
+            with self._lock:
+                self._inflight[op] -= 1
+
+    async def _answer(
+        self, conn: _Conn, head: bytes, method: str, target: str, version: str,
+        headers: Mapping[str, str], fault: str | None, delay: float, generation: int,
+    ) -> bool:
+        """Serve one decided request; whether the client connection stays open."""
         body = _message_body(headers)
         close = _wants_close(version, headers)
         if fault == "blackhole":

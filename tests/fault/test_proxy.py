@@ -309,6 +309,26 @@ def test_latency(proxy: FaultProxy, client: Any, bucket: str, pre: str) -> None:
     assert proxy.stats()[("get", "latency")] == 1
 
 
+def test_peak_inflight(proxy: FaultProxy, client: Any, bucket: str, pre: str) -> None:
+    client.put_object(Bucket=bucket, Key=f"{pre}k", Body=b"abc")
+    proxy.set_rules([Rule("latency", ops={"get"}, delay=1.0)])  # each GET in flight >= 1 s
+    proxy.reset_stats()
+    for _ in range(2):
+        client.get_object(Bucket=bucket, Key=f"{pre}k")["Body"].read()
+    assert proxy.peak_inflight("get") == 1  # one after the other
+    proxy.reset_stats()
+    start = threading.Barrier(4)
+
+    def get(_: int) -> bytes:
+        start.wait()
+        return bytes(client.get_object(Bucket=bucket, Key=f"{pre}k")["Body"].read())
+
+    with ThreadPoolExecutor(4) as ex:
+        assert list(ex.map(get, range(4))) == [b"abc"] * 4
+    assert proxy.peak_inflight("get") == 4
+    assert proxy.peak_inflight("head") == 0
+
+
 def test_blackhole(proxy: FaultProxy, bucket: str, pre: str) -> None:
     client = s3_client(proxy.endpoint, read_timeout=1, connect_timeout=1)
     client.put_object(Bucket=bucket, Key=f"{pre}k", Body=b"abc")

@@ -24,6 +24,7 @@ from tierfs.cache import Cache
 from tierfs.config import DEFAULT_CLASSES, DEFAULT_RULES
 from tierfs.control import socket_path
 from tierfs.health import StoreHealth
+from tierfs.kept_listings import KeptListings
 from tierfs.namespace import Namespace
 from tierfs.policy import Policy
 from tierfs.posix import Defaults
@@ -171,6 +172,7 @@ def test_hostile_keys_in_a_listing_are_skipped_or_served_safely(tmp_path: Path) 
         ns = Namespace(store=None, cache=cache, policy=Policy(DEFAULT_RULES, DEFAULT_CLASSES, "default"),  # type: ignore[arg-type]
                        workers=Workers(data=1, upload=1, meta=1, disk=1),
                        health=StoreHealth(probe_every=5.0), overlay=Journal(),
+                       kept=KeptListings(cache, Workers(data=1, upload=1, meta=1, disk=1)),
                        on_changed=lambda inode: None, on_gone=lambda parent, name: None,
                        defaults=Defaults(uid=0, gid=0))
         root = ns.get(1)

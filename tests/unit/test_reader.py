@@ -125,7 +125,8 @@ async def until_empty(pending: set | dict, limit: float = 10.0) -> None:
 
 
 def make_reader(store: Recorded, nursery: trio.Nursery, **kw: int) -> Reader:
-    kw = {"part_size": PART, "cache_capacity": 1 << 30, "landed_bytes": 64 << 20, **kw}
+    kw = {"part_size": PART, "cache_capacity": 1 << 30, "landed_bytes": 64 << 20,
+          "whole_object_max": CS, **kw}
     budget = MemoryBudget(256 << 20)
     return Reader(store, Workers(data=4, upload=1, meta=1, disk=4), nursery,  # type: ignore[arg-type]
                   budget=budget, parts=BufferPool(budget, kw["part_size"], keep=8),
@@ -193,6 +194,33 @@ async def test_small_random_read_fetches_only_its_pages(cache: Cache, store: Rec
         assert e.read(0, len(data)) == data
         n.cancel_scope.cancel()
     cache.release(e)
+
+
+async def test_any_read_of_a_small_object_fetches_it_whole_into_tier1(
+    cache: Cache, store: Recorded
+) -> None:
+    data = os.urandom(CS - 1000)  # an object up to whole_object_max (here one chunk)
+    e = open_object(cache, store, data)
+    async with trio.open_nursery() as n:
+        r = make_reader(store, n)
+        got: dict[int, bytes] = {}
+
+        async def one(off: int) -> None:
+            got[off] = bytes(await r.read(e, ReadState(), off, 4096, MiB))
+
+        async with trio.open_nursery() as readers:
+            for off in (0, 8192, 4096):
+                readers.start_soon(one, off)
+        assert got == {o: data[o : o + 4096] for o in (0, 8192, 4096)}
+        assert store.gets == [(0, len(data))]  # one GET, whole, for three readers
+        assert e.describe().cached_bytes == len(data)  # counted, checksummed, kept
+        n.cancel_scope.cancel()
+    cache.release(e)
+    e = cache.open("k", e.etag, len(data), 1.0)
+    try:
+        assert e.read(0, len(data)) == data  # verified against its checksum after reopen
+    finally:
+        cache.release(e)
 
 
 async def test_pages_survive_close_and_reopen(cache: Cache, store: Recorded) -> None:

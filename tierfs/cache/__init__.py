@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,6 +31,7 @@ from pathlib import Path
 import lmdb
 import xxhash
 
+from tierfs.cache import listings
 from tierfs.cache.index import (
     CLEAN,
     DIRTY,
@@ -46,6 +48,9 @@ from tierfs.cache.index import (
 from tierfs.cache.objects import ChunkCorrupt, Entry, nchunks
 from tierfs.cache.space import punch_hole
 from tierfs.config import CHUNK_SIZE, MIN_FREE_DEFAULT
+from tierfs.store.base import Listing
+
+log = logging.getLogger(__name__)
 
 FREE_RECHECK = 0.5  # seconds between statvfs calls of the free-space floor
 FREE_RECHECK_BYTES = 64 << 20  # ...or sooner, after this much growth of our own
@@ -285,18 +290,42 @@ class Cache:
                 corrupt_chunks_total=self._corrupt,
             )
 
+    # -- kept directory listings (listings.py) ------------------------------------
+
+    def keep_listing(self, prefix: str, listing: Listing, listed_at: float) -> None:
+        """Keep the store's complete listing of `prefix`, taken at `listed_at`."""
+        self.index.keep_listing(prefix, listings.encode(prefix, listing, listed_at))
+
+    def kept_listing(self, prefix: str) -> tuple[Listing, float] | None:
+        """The listing kept for `prefix` and when it was taken, if any (one that
+        cannot be read is dropped)."""
+        raw = self.index.kept_listing(prefix)
+        if raw is None:
+            return None
+        try:
+            return listings.decode(prefix, raw)
+        except listings.BadListing as exc:
+            log.warning("%s: dropped", exc)
+            self.index.drop_listings([prefix])
+            return None
+
+    def drop_listings(self, prefixes: Iterable[str]) -> None:
+        self.index.drop_listings(prefixes)
+
     # -- open / release ------------------------------------------------------------
 
-    def open(self, key: str, etag: str, size: int, mtime: float) -> Entry:
+    def open(self, key: str, etag: str, size: int, mtime: float, *, use: bool = True) -> Entry:
         """Get or create the entry of (key, etag). Cached chunks of another etag are
         dropped first (ETag validation); an open entry of an older version is
         detached and keeps serving its holders. A dirty or sealed object is the newer
-        version and is returned as is (use its `size`). Each open needs a `release`."""
+        version and is returned as is (use its `size`). Each open needs a `release`.
+        `use=False`: not a use for eviction (fetching ahead of a reader: the
+        reader's own open is the use, and a second would promote a one-pass read)."""
         if self._identity is None:
             raise RuntimeError("Cache.bind(identity) must come before open()")
         if size < 0:
             raise ValueError(f"negative size {size} for {key!r}")
-        e = self._acquire(key, (etag, size, mtime), touch=True)
+        e = self._acquire(key, (etag, size, mtime), touch=use)
         assert e is not None
         return e
 

@@ -6,6 +6,7 @@ keys of any length fit (LMDB keys stop at 511 bytes):
   objects  key_hash(16)                          -> Record
   chunks   file_id(16) + chunk_index(4, BE)      -> xxh3_64 digest (8)
   order    segment(1) + rank_ns(8, BE) + key_hash(16) -> b""   (clean objects only)
+  listings key_hash(prefix)                      -> a kept directory listing (listings.py)
   meta     version, identity, chunk_size, used, protected
   attrs    key_hash(16)                          -> POSIX attributes of one object
                                                     version (posix.Known; not evicted)
@@ -208,7 +209,7 @@ class WriteTxn:
         self.put(kh, rec, None)
 
     def wipe(self) -> None:
-        for db in (self.ix.objects, self.ix.chunks, self.ix.order, self.ix.attrs):
+        for db in (self.ix.objects, self.ix.chunks, self.ix.order, self.ix.attrs, self.ix.listings):
             self.txn.drop(db, delete=False)
         self.used_delta -= self.counter(b"used")
         self.set_meta(b"used", _I64.pack(0))
@@ -222,7 +223,7 @@ class Index:
             str(path),
             map_size=map_size,
             subdir=True,
-            max_dbs=5,
+            max_dbs=6,
             max_readers=1024,
             sync=False,
             metasync=False,
@@ -233,6 +234,7 @@ class Index:
         self.objects = self.env.open_db(b"objects")
         self.chunks = self.env.open_db(b"chunks")
         self.order = self.env.open_db(b"order")
+        self.listings = self.env.open_db(b"listings")
         self.meta = self.env.open_db(b"meta")
         self.attrs = self.env.open_db(b"attrs")
         self._data_fd = os.open(path / "data.mdb", os.O_RDWR | os.O_CLOEXEC)
@@ -338,6 +340,20 @@ class Index:
                 if k[:16] != fid:
                     return
                 yield int.from_bytes(k[16:20], "big")
+
+    def kept_listing(self, prefix: str) -> bytes | None:
+        with self.read() as txn:
+            raw = txn.get(key_hash(prefix), db=self.listings)
+        return None if raw is None else _bytes(raw)
+
+    def keep_listing(self, prefix: str, raw: bytes) -> None:
+        with self.write() as wt:
+            wt.txn.put(key_hash(prefix), raw, db=self.listings)
+
+    def drop_listings(self, prefixes: Iterable[str]) -> None:
+        with self.write() as wt:
+            for p in prefixes:
+                wt.txn.delete(key_hash(p), db=self.listings)
 
     def records(self, batch: int = 1024) -> Iterator[tuple[bytes, Record]]:
         """Every record, read in short transactions so a slow consumer pins no pages."""

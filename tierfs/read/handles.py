@@ -1,7 +1,9 @@
 """Read-only opens: what `open` returns for reading, and how any handle reads.
 
-`ReadPath.open` gets the object's tier-1 entry and decides whether to fetch a
-model-like file whole in the background (DESIGN §3.6); `ReadPath.read` is the
+`ReadPath.open` gets the object's tier-1 entry, decides whether to fetch a
+model-like file whole in the background (DESIGN §3.6) and tells walkahead.py
+of the open (a walk through a directory of small objects gets its next files
+fetched). `ReadPath.read` is the
 read of every handle, read-only or writable: it first waits for writes to the
 file that were acknowledged and not yet applied (`settle`: the write path's
 queued direct writes), a store known to be down fails at once for bytes tier
@@ -19,6 +21,7 @@ from tierfs.globs import glob_to_regex
 from tierfs.health import StoreHealth
 from tierfs.read.reader import Reader
 from tierfs.read.streams import ReadState
+from tierfs.read.walkahead import WalkAhead
 from tierfs.store.base import StoreError
 from tierfs.workers import Workers
 
@@ -35,8 +38,10 @@ class ReadPath:
         prefetch_min_size: int,
         observe_latency: Callable[[float], None],
         settle: Callable[[Entry], Awaitable[None]],
+        walk_ahead: WalkAhead,
     ) -> None:
         self.reader = reader
+        self.walk_ahead = walk_ahead
         self.settle = settle
         self.cache = cache
         self.workers = workers
@@ -55,6 +60,7 @@ class ReadPath:
         except BaseException:
             await self.workers.disk(self.cache.release, entry)
             raise
+        self.walk_ahead.opened(key, present=entry.state == "clean" and not entry.missing(0, size))
         return ReadHandle(self, entry, settings)
 
     async def read(

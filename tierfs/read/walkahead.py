@@ -1,0 +1,149 @@
+"""Fetching ahead of a walk through a directory of small objects (issue 21,
+DESIGN §3).
+
+`cat dir/*`, `xargs -P8 cat` or a DataLoader over a directory of images opens
+one small object after another; alone, each open waits for its own GET, so
+the walk runs at one store round trip per file. walks.py sees a walk over the
+positions of the directory's listing (sorted names, as `ls` and the store list
+them); this module turns what it asks for into whole-object fetches into tier
+1, so the reader's next opens find their objects there or already in flight
+(the reader's single-flight joins them).
+
+Bounds: at most `parallel` fetches at a time (one GET slot is left to demand
+reads), each taking its object's bytes from the memory budget while in
+flight; at most walks.py's window of files ahead of each walk, and QUEUED
+objects waiting overall (more are not fetched ahead: the reader fetches them
+itself). Only clean objects up to `whole_max` qualify (bigger files have their
+own readahead), nothing is fetched while the store is known down, and a fetch
+ahead is not a use for eviction (the reader's own open is).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from functools import partial
+
+import trio
+
+from tierfs.cache import Cache
+from tierfs.health import StoreHealth
+from tierfs.read.reader import Reader
+from tierfs.read.walks import DIRS, Walks
+from tierfs.store.base import ObjectInfo, StoreError
+from tierfs.workers import Workers
+
+log = logging.getLogger(__name__)
+
+QUEUED = 1024  # objects waiting to be fetched ahead, all walks together
+
+
+class _Order:
+    """A directory's names in listing order, and each one's position."""
+
+    def __init__(self, children: Mapping[str, int]) -> None:
+        self.children = children
+        self.names = sorted(children)
+        self.pos = {n: i for i, n in enumerate(self.names)}
+
+
+class WalkAhead:
+    def __init__(
+        self,
+        reader: Reader,
+        cache: Cache,
+        workers: Workers,
+        health: StoreHealth,
+        *,
+        children: Callable[[str], Mapping[str, int] | None],
+        stored: Callable[[int], ObjectInfo | None],
+        whole_max: int,
+        parallel: int,
+        walks: Walks,
+    ) -> None:
+        self.reader = reader
+        self.cache = cache
+        self.workers = workers
+        self.health = health
+        self._children = children  # a directory's path -> its entries (name -> inode)
+        self._stored = stored  # inode -> the file's store attributes, if it is a stored file
+        self.whole_max = whole_max
+        self.parallel = max(1, parallel)
+        self.walks = walks
+        self._orders: OrderedDict[str, _Order] = OrderedDict()
+        self._send, self._queue = trio.open_memory_channel[ObjectInfo](QUEUED)
+        self._wanted: set[str] = set()  # keys queued or being fetched
+        self._ahead: OrderedDict[str, bool] = OrderedDict()  # fetched ahead, not opened since
+        self.fetched = 0  # objects fetched ahead (status, tests)
+
+    def opened(self, key: str, present: bool) -> None:
+        """The reader opened object `key` (from the trio loop), whole in tier 1 or
+        not (`present`): queue what its walk wants next, if this open continues
+        one. A walk over objects tier 1 held before (not fetched ahead here: a
+        warm pass) is followed but fetches nothing: each look would cost a
+        worker hop per file for nothing."""
+        directory, _, name = key.rpartition("/")
+        order = self._order(directory)
+        if order is None or name not in order.pos:
+            return
+        ahead = self.walks.opened(directory, order.pos[name], len(order.names))
+        if present and not self._ahead.pop(key, False) and key not in self._wanted:
+            return
+        for p in ahead:
+            inode = order.children.get(order.names[p])
+            info = self._stored(inode) if inode is not None else None
+            if info is None or not 0 < info.size <= self.whole_max or info.key in self._wanted:
+                continue
+            try:
+                self._send.send_nowait(info)
+            except trio.WouldBlock:
+                return  # enough queued: the reader fetches the rest itself
+            self._wanted.add(info.key)
+
+    def _order(self, directory: str) -> _Order | None:
+        children = self._children(directory)
+        if children is None:
+            return None
+        order = self._orders.pop(directory, None)
+        if order is None or order.children is not children or len(order.names) != len(children):
+            order = _Order(children)  # a new listing, or entries added or removed here
+        self._orders[directory] = order
+        if len(self._orders) > DIRS:
+            self._orders.popitem(last=False)
+        return order
+
+    async def run(self) -> None:
+        """The fetchers, for the mount's life (in its nursery)."""
+        async with trio.open_nursery() as n:
+            for _ in range(self.parallel):
+                n.start_soon(self._fetcher)
+
+    async def _fetcher(self) -> None:
+        async for info in self._queue:
+            try:
+                if not self.health.degraded:
+                    await self._fetch(info)
+            except (OSError, StoreError) as exc:  # the reader's own read reports it
+                log.debug("fetch ahead of %r: %s", info.key, exc)
+            finally:
+                self._wanted.discard(info.key)
+
+    async def _fetch(self, info: ObjectInfo) -> None:
+        known = await self.workers.disk(self.cache.lookup, info.key)
+        if known is not None and known.etag == info.etag and known.cached_bytes == info.size:
+            return  # already in tier 1
+        entry = await self.workers.disk(partial(self.cache.open, use=False),
+                                        info.key, info.etag, info.size, info.mtime)
+        try:
+            if (
+                entry.state == "clean"
+                and entry.size == info.size
+                and await self.reader.ensure(entry, 0, entry.size, whole_parts=False)
+            ):
+                self.fetched += 1
+                self._ahead[info.key] = True
+                if len(self._ahead) > 2 * QUEUED:
+                    self._ahead.popitem(last=False)
+        finally:
+            await self.workers.disk(self.cache.release, entry)
