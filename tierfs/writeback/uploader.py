@@ -334,10 +334,13 @@ class Uploader:
                 finally:
                     slots.release()
 
-            async with trio.open_nursery() as nursery:
-                for i in range(count):
-                    await slots.acquire()
-                    nursery.start_soon(send, i)
+            try:
+                async with trio.open_nursery() as nursery:
+                    for i in range(count):
+                        await slots.acquire()
+                        nursery.start_soon(send, i)
+            except BaseExceptionGroup as group:
+                raise _one_error(group) from None
             await self.workers.upload(partial(
                 self.store.complete_upload, key, upload_id, list(enumerate(etags, 1)), size,
                 if_match=cond.if_match, if_none_match=cond.if_none_match))
@@ -355,3 +358,17 @@ class Uploader:
         if pf is not None:
             pf.uploaded += n
             self.journal.notify()
+
+
+def _one_error(group: BaseExceptionGroup) -> BaseException:
+    """The parts' nursery groups its failures (trio's strict groups, even for one);
+    the upload failed as its first part did, so the caller's `except StoreError`
+    (retry, quarantine) sees it. A group holding anything but plain errors (a
+    cancellation, an interrupt) stays whole."""
+    rest = group.split(Exception)[1]
+    if rest is not None:
+        return group
+    leaf: BaseException = group
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    return leaf
