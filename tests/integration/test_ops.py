@@ -228,7 +228,9 @@ def test_metrics_move_during_a_read_and_status_agrees(
     assert prom["tierfs_store_bytes_total{op=get}"] == st["metrics"]["tierfs_store_bytes_total{op=get}"]
     assert st["store"]["get_bytes"] == prom["tierfs_store_bytes_total{op=get}"] >= size
     read_total = prom[key] + prom.get("tierfs_read_bytes_total{tier=cache}", 0.0)
-    assert read_total == st["reads"]["total_bytes"] == size
+    # At least every byte once; the kernel may ask again for pages it dropped
+    # under memory pressure, and tierfs counts what it was asked.
+    assert read_total == st["reads"]["total_bytes"] and size <= read_total <= 2 * size
     assert st["store"]["requests"]["get"]["ok"] == prom["tierfs_store_requests_total{op=get,status=ok}"]
     assert st["read_latency"]["count"] == prom["tierfs_read_latency_seconds_count"] > 0
     assert 0 < st["read_latency"]["p50"] <= st["read_latency"]["p95"] <= st["read_latency"]["p99"]

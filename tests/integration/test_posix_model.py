@@ -39,7 +39,7 @@ from tests.support.mount import TierfsMount, needs_root, run_tierfs
 
 pytestmark = needs_root  # chown to other users, mknod, a tmpfs oracle
 
-OPS = 3000
+OPS = 2000
 REMOUNT_EVERY = 750
 SLACK_NS = 3 * 10**9  # "now" on the mount vs "now" on the oracle, a call apart
 DIRS = ["", "d0/", "d1/", "d0/d1/", "d1/d0/"]

@@ -108,7 +108,11 @@ def test_reads_and_stats_answer_while_a_1gib_file_is_sealed(
           f"p99 {p99(during_reads or [0]) * 1e3:.1f} ms; {len(during_stats)} stats "
           f"p99 {p99(during_stats or [0]) * 1e3:.1f} ms")
     assert len(during_reads) >= 3 and len(during_stats) >= 3, (seal_end - seal_start)
-    assert p99(during_reads) < 0.050 and p99(during_stats) < 0.050
+    # A loop blocked by the seal makes a request that came in as it began wait
+    # about the whole seal; a free one answers in milliseconds. The bound leaves
+    # room for a loaded 2-core machine without letting a blocked loop through.
+    bound = max(0.1, (seal_end - seal_start) / 3)
+    assert p99(during_reads) < bound and p99(during_stats) < bound
 
 
 def test_write_through_closes_do_not_delay_uncached_reads(

@@ -64,6 +64,19 @@ def free_port_block(count: int) -> int:
     raise RuntimeError("no free loopback port block for SeaweedFS")
 
 
+def _raise_fd_limit() -> None:
+    """In the child before exec: open-files soft limit up to the hard one (and
+    the hard one up, where we may), as one server holds every bucket's volumes."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max(hard, 65536) if hard != resource.RLIM_INFINITY else hard
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
+    except (ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 @dataclass
 class SeaweedServer:
     """One `weed server -s3` process on 127.0.0.1."""
@@ -73,6 +86,11 @@ class SeaweedServer:
     secret_key: str = SECRET_KEY
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     s3_port: int = 0
+    # Volumes the master grows for each new bucket (a bucket is a collection).
+    # SeaweedFS's default is 7, each an open .dat and .idx in the server: a test
+    # session that makes hundreds of buckets then needs thousands of descriptors
+    # and GBs of disk. Tests ask for 1; benches keep the default.
+    volumes_per_bucket: int = 7
     _own_dir: bool = False
 
     @property
@@ -139,6 +157,10 @@ class SeaweedServer:
                 }
             )
         )
+        # weed reads master.toml from its working directory (the data dir).
+        (self.data_dir / "master.toml").write_text(
+            f"[master.volume_growth]\ncopy_1 = {self.volumes_per_bucket}\n"
+        )
         base = free_port_block(4)
         master, volume, filer, s3 = base, base + 1, base + 2, base + 3
         self.s3_port = s3
@@ -168,6 +190,7 @@ class SeaweedServer:
                 stdin=subprocess.DEVNULL,
                 cwd=self.data_dir,
                 start_new_session=True,
+                preexec_fn=_raise_fd_limit,
             )
         deadline = time.monotonic() + timeout
         client = self.client()
@@ -194,6 +217,12 @@ class SeaweedServer:
     def make_bucket(self, name: str) -> str:
         self.client().create_bucket(Bucket=name)
         return name
+
+    def drop_bucket(self, name: str) -> None:
+        """Delete a bucket with whatever it holds (SeaweedFS drops the collection
+        and its volume files at once, so a long test session's disk and open
+        descriptors stay bounded)."""
+        self.client().delete_bucket(Bucket=name)
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
