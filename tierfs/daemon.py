@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +59,7 @@ class Daemon:
     def prepare(self) -> None:
         """Every check that needs no mount; raises MountError with the reason."""
         cfg = self.cfg
+        _open_files_up_to_hard_limit()
         try:
             # Connections: data and small-object GETs (max_parallel_gets each), puts, metadata.
             self.store = open_store(
@@ -187,3 +189,15 @@ class Daemon:
             except OSError as exc:  # a full cache disk: uses not written back are lost, no data
                 log.warning("closing the cache: %s", exc)
             log.info("tierfs stopped: %s", cfg.mountpoint)
+
+
+def _open_files_up_to_hard_limit() -> None:
+    """A mount holds cache files, store connections and handles the kernel keeps
+    open for its users: a 1024 soft limit (a shell's or a CI runner's default) is
+    reached by a busy node. The hard limit is the administrator's word; take it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("open-files limit stays at %d: %s", soft, exc)
