@@ -16,7 +16,7 @@ from tests.integration.conftest import MountFactory
 from tests.support.mount import run_tierfs
 from tests.support.seaweed import SeaweedServer
 
-OPS = 2000
+OPS = 2500
 NAMES = [f"{d}f{i}.{ext}" for d in ("", "d1/", "d1/d2/") for i in range(4) for ext in ("pt", "txt")]
 
 
