@@ -158,7 +158,8 @@ class Metrics:
         self.read_latency_seconds.observe(seconds)
 
     def writeback_event(self, event: str, n: int) -> None:
-        """uploaded (bytes), upload_retry, quarantined, publish_conflict (count)."""
+        """uploaded (bytes), upload_retry, quarantined, publish_conflict, streamed_parts
+        (parts that went up before their file was sealed) (count)."""
         self.writeback_events.labels(event).inc(n)
 
     def meta_op(self, op: str) -> None:

@@ -62,6 +62,8 @@ from tierfs.writeback.publish import Publisher, Records
 from tierfs.writeback.quarantine import Conflicts, Quarantine
 from tierfs.writeback.queue import QueuedWrites
 from tierfs.writeback.session import WriteContext
+from tierfs.writeback.streaming import Records as StreamRecords
+from tierfs.writeback.streaming import Streams
 from tierfs.writeback.uploader import Uploader
 
 log = logging.getLogger(__name__)
@@ -139,8 +141,11 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
                          walk_ahead=walk_ahead)
         quarantine = Quarantine(cache_dir / "quarantine", cache)
         conflicts = Conflicts(cache_dir / "conflicts", cache)
+        streams = Streams(store, cache, journal, workers, upload_parts, queued,
+                          StreamRecords(cache_dir / "streams"), nursery,
+                          part_size=cfg.part_size, parallel=cfg.max_parallel_puts)
         uploader = Uploader(
-            store, cache, journal, quarantine, workers, upload_parts, health,
+            store, cache, journal, quarantine, workers, upload_parts, health, streams,
             part_size=cfg.part_size, parallel_parts=cfg.max_parallel_puts,
             max_files=cfg.max_parallel_uploads, on_landed=ns.uploaded,
             on_dropped=ns.local_dropped,
@@ -155,7 +160,7 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
                               observe=metrics.writeback_event)
         ctx = WriteContext(
             cache=cache, policy=policy, workers=workers, health=health, journal=journal,
-            queued=queued, uploader=uploader, publisher=publisher, read=reads.read,
+            queued=queued, uploader=uploader, streams=streams, publisher=publisher, read=reads.read,
             fetch=partial(reader.ensure, whole_parts=True), refresh=ns.refresh,
             on_dropped=ns.local_dropped, invalidate=kernel.drop_pages)
         wb = WriteBack(ctx, store, quarantine, barrier)

@@ -87,6 +87,9 @@ class Store(Protocol):
     url: str  # display form, never with secrets: s3://bucket/prefix or file:///path
     identity: str  # stable id of (endpoint, bucket, prefix) for cache naming
     supports_conditional_put: bool
+    # Multipart uploads a later daemon can find and abort by id, and object tags:
+    # what sending parts while a file is written needs (writeback/streaming.py).
+    streams_parts: bool
     # (key, ETag, user metadata) of a GET's response, where the adapter sees it.
     on_metadata: Callable[[str, str, dict[str, str]], None] | None
 
@@ -137,10 +140,12 @@ class Store(Protocol):
         """Start a multipart upload of `key`; its upload id."""
 
     def upload_part(
-        self, key: str, upload_id: str, number: int, offset: int, data: bytes | memoryview
+        self, key: str, upload_id: str, number: int, offset: int, data: bytes | memoryview,
+        *, content_md5: str | None = None,
     ) -> str:
         """Send part `number` (1-based; it holds the object's bytes from `offset`); its ETag.
-        Every part but the last is at least 5 MiB."""
+        Every part but the last is at least 5 MiB. With `content_md5` (base64) the
+        store refuses a part that does not match it."""
 
     def complete_upload(
         self,
@@ -157,6 +162,12 @@ class Store(Protocol):
 
     def abort_upload(self, key: str, upload_id: str) -> None:
         """Drop an unfinished upload and its parts; best effort."""
+
+    def put_tags(self, key: str, tags: dict[str, str]) -> None:
+        """Set the object's tags (S3 PutObjectTagging: they replace the old set)."""
+
+    def get_tags(self, key: str) -> dict[str, str]:
+        """The object's tags."""
 
     def probe_conditional_put(self) -> bool:
         """Whether the store enforces If-Match / If-None-Match: * on writes."""

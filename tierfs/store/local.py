@@ -35,6 +35,7 @@ log = logging.getLogger("tierfs.store")
 
 HIDDEN_PREFIX = ".tierfs-"  # lock and temp files; never listed, never valid keys
 META_XATTR = "user.tierfs.meta."
+TAG_XATTR = "user.tierfs.tag."
 COPY_CHUNK = 8 << 20
 
 # POSIX locks are per process, so threads of this process also need a mutex.
@@ -116,6 +117,9 @@ class LocalStore:
     """`Store` over a directory tree."""
 
     supports_conditional_put = True
+    # Its multipart uploads live in this process only: a restart cannot abort
+    # them by id, so files go up after their seal only.
+    streams_parts = False
     # Told (key, ETag, user metadata) by each read from offset 0 (S3Store's
     # GET-response hook; here the metadata is the file's xattrs).
     on_metadata: Callable[[str, str, dict[str, str]], None] | None = None
@@ -481,7 +485,8 @@ class LocalStore:
         return found[1], found[2]
 
     def upload_part(
-        self, key: str, upload_id: str, number: int, offset: int, data: bytes | memoryview
+        self, key: str, upload_id: str, number: int, offset: int, data: bytes | memoryview,
+        *, content_md5: str | None = None,
     ) -> str:
         with self._op("multipart", key) as nbytes:
             tmp, _ = self._upload(key, upload_id)
@@ -523,6 +528,36 @@ class LocalStore:
         if found is not None:
             with suppress(FileNotFoundError):
                 os.unlink(found[1])
+
+    def put_tags(self, key: str, tags: dict[str, str]) -> None:
+        """Tags are `user.tierfs.tag.*` xattrs (not kept where xattrs are not)."""
+        with self._op("tagging", key):
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                try:
+                    for name in [n for n in os.listxattr(fd) if n.startswith(TAG_XATTR)]:
+                        os.removexattr(fd, name)
+                    for name, value in tags.items():
+                        os.setxattr(fd, TAG_XATTR + name, value.encode())
+                except OSError as exc:
+                    if exc.errno not in _NO_XATTR:
+                        raise
+            finally:
+                os.close(fd)
+
+    def get_tags(self, key: str) -> dict[str, str]:
+        with self._op("tagging", key):
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                names = [n for n in os.listxattr(fd) if n.startswith(TAG_XATTR)]
+                return {n[len(TAG_XATTR):]: os.getxattr(fd, n).decode("utf-8", "replace")
+                        for n in names}
+            except OSError as exc:
+                if exc.errno in _NO_XATTR:
+                    return {}
+                raise
+            finally:
+                os.close(fd)
 
     def copy(self, src: str, dst: str, *, metadata: dict[str, str] | None = None) -> ObjectInfo:
         with self._op("copy", dst):

@@ -184,6 +184,8 @@ def _cap_read_timeout(read_timeout: float, context: dict[str, Any], **_: Any) ->
 class S3Store:
     """`Store` over one bucket and key prefix of an S3-compatible service."""
 
+    streams_parts = True  # uploads can be listed and aborted by id; objects take tags
+
     # Server-side copy switches to UploadPartCopy above this size (S3's CopyObject limit).
     multipart_copy_threshold: int = 5 << 30
     copy_part_size: int = 512 << 20
@@ -613,8 +615,10 @@ class S3Store:
         return str(created["UploadId"])
 
     def upload_part(
-        self, key: str, upload_id: str, number: int, offset: int, data: bytes | memoryview
+        self, key: str, upload_id: str, number: int, offset: int, data: bytes | memoryview,
+        *, content_md5: str | None = None,
     ) -> str:
+        extra = {"ContentMD5": content_md5} if content_md5 else {}
         resp = self._with_body(
             "multipart",
             key,
@@ -624,6 +628,7 @@ class S3Store:
             Key=self._full(key),
             UploadId=upload_id,
             PartNumber=number,
+            **extra,
         )
         return str(resp["ETag"])
 
@@ -659,6 +664,18 @@ class S3Store:
             )
         except StoreError as exc:
             log.warning("could not abort multipart upload of %s: %s", key, exc)
+
+    def put_tags(self, key: str, tags: dict[str, str]) -> None:
+        self._simple(
+            "tagging", key, self._client.put_object_tagging, Bucket=self.bucket,
+            Key=self._full(key),
+            Tagging={"TagSet": [{"Key": k, "Value": v} for k, v in tags.items()]},
+        )
+
+    def get_tags(self, key: str) -> dict[str, str]:
+        resp = self._simple("tagging", key, self._client.get_object_tagging,
+                            Bucket=self.bucket, Key=self._full(key))
+        return {t["Key"]: t["Value"] for t in resp.get("TagSet", [])}
 
     def put_file(
         self,

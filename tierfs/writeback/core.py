@@ -138,6 +138,7 @@ class WriteBack:
         if pf is not None:
             async with pf.lock:
                 await self.uploader.stop(pf)
+                self.ctx.streams.abandon(pf)
                 pf.unlinked = bool(pf.sessions)
                 self.journal.leave(pf, "unlinked")
         held = await self.workers.disk(self.cache.held, key)
@@ -360,6 +361,7 @@ class WriteBack:
         whose barrier was journaled publishes once that barrier landed; what a
         close never finished (dirty, or sealed but waiting for the store) is
         quarantined."""
+        await self.ctx.streams.recover()
         objs = await self.workers.disk(lambda: list(self.cache.iter_objects()))
         publisher = self.ctx.publisher
         records = await self.workers.disk(publisher.records.load)

@@ -34,6 +34,7 @@ from tierfs.workers import Workers
 from tierfs.writeback.journal import Journal, PendingFile
 from tierfs.writeback.publish import Publisher
 from tierfs.writeback.queue import QueuedWrites, WriteQueue
+from tierfs.writeback.streaming import Streams
 from tierfs.writeback.uploader import NotVerified, Uploader
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class WriteContext:
     journal: Journal
     queued: QueuedWrites
     uploader: Uploader
+    streams: Streams  # parts sent while a file is written
     publisher: Publisher
     read: Read  # ReadPath.read
     fetch: Callable[[Entry, int, int], Awaitable[object]]  # make bytes present in tier 1
@@ -137,6 +139,7 @@ class WriteContext:
     async def drop(self, pf: PendingFile, outcome: str) -> None:
         """Forget a local file's bytes (the store's version, if any, shows again)."""
         await self.uploader.stop(pf)
+        self.streams.abandon(pf)
         await self.workers.disk(self.cache.remove, pf.key)
         self.on_dropped(pf.key)
         self.journal.leave(pf, outcome)
@@ -190,6 +193,7 @@ class WriteSession:
                 await self._wb.local_write(self.entry.write, off, buf)
                 pf.size = self.entry.size
             pf.mtime = time.time()
+            self._wb.streams.wrote(pf, off, len(buf), self.settings)
         return len(buf)
 
     async def truncate(self, size: int) -> None:
@@ -200,6 +204,7 @@ class WriteSession:
                 await self._wb.uploader.stop(pf)
             await self._make_local(min(size, self.entry.size))
             await self._wb.local_write(self.entry.truncate, size)
+            self._wb.streams.truncated(pf)
             self._wb.mark_written(pf)
             self.dirty = True
             pf.size, pf.mtime = size, time.time()

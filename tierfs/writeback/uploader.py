@@ -40,6 +40,7 @@ from tierfs.store.base import PERMANENT_KINDS, ObjectInfo, Store, StoreError, pa
 from tierfs.workers import Workers
 from tierfs.writeback.journal import Condition, Journal, PendingFile
 from tierfs.writeback.quarantine import REFUSED, Quarantine
+from tierfs.writeback.streaming import Stream, Streams, Track, stream_metadata
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class Uploader:
         workers: Workers,
         parts: BufferPool,
         health: StoreHealth,
+        streams: Streams,
         *,
         part_size: int,
         parallel_parts: int,
@@ -76,6 +78,7 @@ class Uploader:
         self.workers = workers
         self.parts = parts
         self.health = health
+        self.streams = streams
         self.part_size = part_size
         self.parallel_parts = parallel_parts
         self.max_files = max_files
@@ -230,6 +233,7 @@ class Uploader:
         """The store will never take the file as it is: keep it aside, report it."""
         log.error("upload of %r refused by the store: %s; quarantined, not retried", pf.key, reason)
         pf.error = reason
+        self.streams.abandon(pf)
         await self.workers.disk(self.quarantine.keep, pf.key, REFUSED, reason)
         self.on_dropped(pf.key)
         self.observe("quarantined", 1)
@@ -267,15 +271,25 @@ class Uploader:
         cond = Condition(if_match, if_none_match)
         if pf is not None:
             pf.uploaded = 0
-        if size <= self.part_size:
+        # Parts sent while the file was written (streaming.py) complete here.
+        taken = None if pf is None else await self.streams.take(
+            pf, key, size, stream_metadata(pf.attrs, pf.mtime),
+            usable=digest is not None and cond == (None, False))
+        if taken is not None:
+            assert pf is not None and digest is not None
+            await self._put_streamed(pf, entry, key, size, digest, *taken)
+        elif size <= self.part_size:
             await self._put_whole(pf, entry, key, size, meta, cond)
         else:
             await self._put_parts(pf, entry, key, size, meta, cond)
         info = await self.workers.meta(self.store.head, key)
-        if info.size != size or (meta and info.metadata.get(DIGEST_META) != digest):
+        # A streamed upload carries its digest as a tag (S3 took its metadata at create).
+        got = ((await self.workers.meta(self.store.get_tags, key)).get(DIGEST_META)
+               if taken is not None else info.metadata.get(DIGEST_META))
+        if info.size != size or (meta and got != digest):
             raise NotVerified(
                 f"upload of {key!r} did not verify: store has {info.size} bytes, "
-                f"digest {info.metadata.get(DIGEST_META)!r}; expected {size}, {digest!r}")
+                f"digest {got!r}; expected {size}, {digest!r}")
         self.observe("uploaded", size)
         if mark_clean and entry.state == "sealed":
             # The namespace takes the new ETag before the cache record turns clean:
@@ -348,6 +362,53 @@ class Uploader:
             with trio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await self.workers.upload(self.store.abort_upload, key, upload_id)
             raise
+
+    async def _put_streamed(
+        self, pf: PendingFile, entry: Entry, key: str, size: int, digest: str,
+        s: Stream, t: Track,
+    ) -> None:
+        """Complete the upload the writer's parts went into: parts still as sent are
+        kept, the others (the tail, parts written again) go now; the digest
+        follows as a tag."""
+        part = s.part
+        count = -(-size // part)
+        etags: list[str] = [""] * count
+        todo = []
+        for i in range(count):
+            n = min(part, size - i * part)
+            kept = t.fresh(s, i) if n == part else None
+            if kept is not None:
+                etags[i] = kept
+                self._acknowledged(pf, n)
+            else:
+                todo.append((i, n))
+        assert s.upload_id is not None
+        try:
+            slots = trio.Semaphore(self.parallel_parts)
+
+            async def send(i: int, n: int) -> None:
+                try:
+                    etags[i] = await self.streams.send_part(s, entry, i, n)
+                    self._acknowledged(pf, n)
+                finally:
+                    slots.release()
+
+            try:
+                async with trio.open_nursery() as nursery:
+                    for i, n in todo:
+                        await slots.acquire()
+                        nursery.start_soon(send, i, n)
+            except BaseExceptionGroup as group:
+                raise _one_error(group) from None
+            await self.workers.upload(partial(
+                self.store.complete_upload, key, s.upload_id, list(enumerate(etags, 1)), size))
+        except BaseException:
+            with trio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await self.streams.aborted(s)
+            raise
+        await self.streams.completed(s)
+        self.observe("streamed_parts", count - len(todo))
+        await self.workers.meta(self.store.put_tags, key, {DIGEST_META: digest})
 
     async def _read(self, entry: Entry, off: int, buf: memoryview) -> None:
         got = await self.workers.disk(entry.readinto, off, buf)

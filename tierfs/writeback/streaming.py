@@ -1,0 +1,321 @@
+"""Parts of a write-back file sent while it is still being written (DESIGN §5).
+
+A checkpoint written front to back leaves complete parts behind its writer.
+Each goes up at once as a part of a multipart upload (with Content-MD5: the
+store checks every part), so that the upload after the seal sends only what is
+left, the tail and any part written again, before it completes: the time from
+close to "in the bucket" shrinks to the tail's.
+
+Rules:
+- only write-back classes (a manifest's PUT is conditional; a temporary name
+  is renamed, never uploaded under its name), files past two parts, and stores
+  whose unfinished uploads a restart can abort (`Store.streams_parts`);
+- a part goes up once the writer is a whole part past it; a write into a part
+  that went up (or is going up) moves its version, and the seal sends it again;
+- S3 takes user metadata only when an upload is created: mode and owners known
+  then go with it, the file's mtime is the store's Last-Modified (when the
+  upload completed), and the whole-object digest goes as an object tag after
+  Complete; an attribute change while writing makes the seal start over;
+- the upload id is journaled (`<cache>/streams/`) from its creation until it is
+  completed or aborted; a restart aborts what it finds (the file itself is
+  quarantined as any file never closed).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import weakref
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import trio
+
+from tierfs.budget import BufferPool
+from tierfs.cache import Cache, Entry
+from tierfs.config import ClassSettings
+from tierfs.posix import ATIME, CTIME, MTIME, Attrs, upload_metadata
+from tierfs.store.base import Store, StoreError
+from tierfs.workers import Workers
+from tierfs.writeback.journal import Journal, PendingFile
+from tierfs.writeback.queue import QueuedWrites
+
+log = logging.getLogger(__name__)
+
+MAX_PARTS = 10_000  # S3's limit on the parts of one upload
+TIMES = (ATIME, MTIME, CTIME)
+
+
+def stream_metadata(attrs: Attrs | None, mtime: float) -> dict[str, str]:
+    """The user metadata an upload created before the seal carries: the file's
+    attributes but its times (not known yet; the store's Last-Modified stands in)."""
+    return {k: v for k, v in upload_metadata(attrs, mtime).items() if k not in TIMES}
+
+
+def content_md5(data: memoryview) -> str:
+    return base64.b64encode(hashlib.md5(data).digest()).decode()
+
+
+@dataclass
+class Stream:
+    """One multipart upload of a file, opened while the file is written."""
+
+    key: str
+    part: int
+    metadata: dict[str, str]
+    upload_id: str | None = None
+    sent: dict[int, tuple[int, str]] = field(default_factory=dict)  # part -> (version, ETag)
+    sending: set[int] = field(default_factory=set)
+    closing: bool = False
+    failed: bool = False
+    wake: trio.Event = field(default_factory=trio.Event)
+    ended: trio.Event = field(default_factory=trio.Event)
+
+
+@dataclass
+class Track:
+    """What the write path knows of a file being written: how far its writers got,
+    how often each part was written, and its stream (if one was opened)."""
+
+    high: int = 0
+    last_write: float = 0.0  # the file's mtime its last write set (a later utimens moves it)
+    versions: dict[int, int] = field(default_factory=dict)
+    stream: Stream | None = None
+
+    def fresh(self, s: Stream, i: int) -> str | None:
+        """Part i's ETag if what went up is still what the file holds there."""
+        got = s.sent.get(i)
+        return got[1] if got is not None and got[0] == self.versions.get(i, 0) else None
+
+
+class Records:
+    """Journaled upload ids: one fsynced JSON file per open stream. Blocking."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def _path(self, upload_id: str) -> Path:
+        return self.root / f"{hashlib.sha256(upload_id.encode()).hexdigest()[:32]}.json"
+
+    def save(self, key: str, upload_id: str) -> None:
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = self._path(upload_id)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, json.dumps({"key": key, "upload_id": upload_id}).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        dfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def drop(self, upload_id: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._path(upload_id).unlink()
+
+    def load(self) -> list[tuple[str, str]]:
+        try:
+            names = sorted(n for n in os.listdir(self.root) if n.endswith(".json"))
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            try:
+                rec = json.loads((self.root / name).read_text())
+                out.append((str(rec["key"]), str(rec["upload_id"])))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("unreadable stream record %s: %s", name, exc)
+        return out
+
+
+class Streams:
+    def __init__(
+        self, store: Store, cache: Cache, journal: Journal, workers: Workers,
+        parts: BufferPool, queued: QueuedWrites, records: Records, nursery: trio.Nursery,
+        *, part_size: int, parallel: int,
+    ) -> None:
+        self.store = store
+        self.cache = cache
+        self.journal = journal
+        self.workers = workers
+        self.parts = parts
+        self.queued = queued
+        self.records = records
+        self.nursery = nursery
+        self.part = part_size
+        self.parallel = max(1, parallel)
+        self.enabled = store.streams_parts
+        self._tracks: weakref.WeakKeyDictionary[PendingFile, Track] = weakref.WeakKeyDictionary()
+
+    # -- the write path's side ----------------------------------------------------------
+
+    def wrote(self, pf: PendingFile, off: int, n: int, settings: ClassSettings) -> None:
+        """A write of [off, off+n) was applied or queued (loop): parts it touched are
+        stale; parts the writer left a whole part behind may go up now."""
+        if not n:
+            return
+        t = self._tracks.get(pf)
+        if t is None:
+            t = self._tracks[pf] = Track()
+        for i in range(off // self.part, (off + n - 1) // self.part + 1):
+            t.versions[i] = t.versions.get(i, 0) + 1
+        t.high = max(t.high, off + n)
+        t.last_write = pf.mtime
+        s = t.stream
+        if s is not None and s.key != pf.key:  # renamed while written: start over
+            self.abandon(pf)
+            s = None
+        if s is not None:
+            s.wake.set()
+            return
+        if (self.enabled and t.high >= 2 * self.part and settings.write_mode == "writeback"
+                and settings.name != "staged" and not pf.key.endswith("/")):
+            s = t.stream = Stream(pf.key, self.part, stream_metadata(pf.attrs, pf.mtime))
+            self.nursery.start_soon(self._pump, pf, t, s)
+
+    def truncated(self, pf: PendingFile) -> None:
+        """Bytes went away or moved: what was sent no longer describes the file."""
+        self.abandon(pf)
+        self._tracks.pop(pf, None)
+
+    def abandon(self, pf: PendingFile) -> None:
+        """The file will not complete this stream (unlinked, renamed, dropped)."""
+        t = self._tracks.get(pf)
+        if t is None or t.stream is None:
+            return
+        s, t.stream = t.stream, None
+        s.failed = s.closing = True
+        s.wake.set()
+        self.nursery.start_soon(self._abort, s)
+
+    # -- the uploader's side ------------------------------------------------------------
+
+    async def take(self, pf: PendingFile, key: str, size: int, attrs_meta: dict[str, str],
+                   *, usable: bool) -> tuple[Stream, Track] | None:
+        """At the upload of a sealed file: its stream, stopped and with every part in
+        flight settled, if the upload can complete it (`usable`: unconditional,
+        with a digest); else it is aborted and None."""
+        t = self._tracks.get(pf)
+        if t is None or t.stream is None:
+            return None
+        s, t.stream = t.stream, None
+        s.closing = True
+        s.wake.set()
+        await s.ended.wait()
+        count = -(-size // s.part)
+        # An upload created before the seal stores no times: a file whose times were
+        # set after its last write (cp -a, tar x) goes up the usual way.
+        if (not usable or s.failed or s.upload_id is None or s.key != key or size <= s.part
+                or count > MAX_PARTS or attrs_meta != s.metadata or pf.mtime != t.last_write):
+            s.failed = True
+            await self._abort(s)
+            return None
+        return s, t
+
+    async def completed(self, s: Stream) -> None:
+        if s.upload_id is not None:
+            await self.workers.disk(self.records.drop, s.upload_id)
+
+    async def aborted(self, s: Stream) -> None:
+        await self._abort(s)
+
+    # -- internals ------------------------------------------------------------------------
+
+    async def _pump(self, pf: PendingFile, t: Track, s: Stream) -> None:
+        """Send each part the writer left behind, a few at once, until the seal takes
+        the stream over (or it is abandoned)."""
+        entry = await self.workers.disk(self.cache.open_existing, s.key)
+        try:
+            if entry is None:
+                s.failed = True
+                return
+            try:
+                s.upload_id = await self.workers.upload(
+                    partial(self.store.create_upload, s.key, metadata=s.metadata))
+                await self.workers.disk(self.records.save, s.key, s.upload_id)
+            except (StoreError, OSError) as exc:
+                log.info("%r: parts wait for the seal (%s)", s.key, exc)
+                s.failed = True
+                return
+            slots = trio.Semaphore(self.parallel)
+            async with trio.open_nursery() as nursery:
+                while not s.closing:
+                    i = self._next(t, s)
+                    if i is None:
+                        s.wake = trio.Event()
+                        await s.wake.wait()
+                        continue
+                    await slots.acquire()
+                    if s.closing:
+                        slots.release()
+                        break
+                    s.sending.add(i)
+                    nursery.start_soon(self._send, t, s, entry, i, slots)
+        finally:
+            if entry is not None:
+                with trio.CancelScope(shield=True):
+                    await self.workers.disk(self.cache.release, entry)
+            s.ended.set()
+
+    def _next(self, t: Track, s: Stream) -> int | None:
+        for i in range(t.high // s.part - 1):  # the writer is a whole part past these
+            if i not in s.sent and i not in s.sending:
+                return i
+        return None
+
+    async def _send(self, t: Track, s: Stream, entry: Entry, i: int,
+                    slots: trio.Semaphore) -> None:
+        version = t.versions.get(i, 0)  # before its bytes are read (send_part)
+        try:
+            s.sent[i] = (version, await self.send_part(s, entry, i, s.part))
+        except (StoreError, OSError) as exc:
+            log.info("%r: part %d waits for the seal (%s)", s.key, i + 1, exc)
+        finally:
+            s.sending.discard(i)
+            slots.release()
+            s.wake.set()
+
+    async def send_part(self, s: Stream, entry: Entry, i: int, n: int) -> str:
+        """Part i (n bytes) as the file holds it now; its ETag. Writes queued before
+        the call are applied before its bytes are read: a caller that took the
+        part's version first knows the bytes sent are at least that new. Raises
+        StoreError, or OSError (reading tier 1)."""
+        assert s.upload_id is not None
+        await self.queued.drain_entry(entry)
+        buf = await self.parts.take(n)
+        try:
+            view = buf[:n]
+            got = await self.workers.disk(entry.readinto, i * s.part, view)
+            if got != n:
+                raise OSError(errno.EIO, f"{s.key}: tier-1 copy ended at {i * s.part + got}")
+            md5 = await self.workers.disk(content_md5, view)
+            return await self.workers.upload(partial(
+                self.store.upload_part, s.key, s.upload_id, i + 1, i * s.part, view,
+                content_md5=md5))
+        finally:
+            self.parts.give(buf)
+
+    async def _abort(self, s: Stream) -> None:
+        await s.ended.wait()
+        if s.upload_id is None:
+            return
+        with trio.CancelScope(shield=True):
+            await self.workers.upload(self.store.abort_upload, s.key, s.upload_id)
+            await self.workers.disk(self.records.drop, s.upload_id)
+
+    async def recover(self) -> None:
+        """After a restart: abort every upload a stream left open (their files were
+        never sealed, or are sealed and upload again from the start)."""
+        for key, upload_id in await self.workers.disk(self.records.load):
+            log.info("aborting the upload of %r left open before the restart", key)
+            await self.workers.upload(self.store.abort_upload, key, upload_id)  # best effort
+            await self.workers.disk(self.records.drop, upload_id)
