@@ -6,6 +6,8 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.integration.conftest import MountFactory
 from tests.support.mount import kill_daemon_with_open_writer, run_tierfs
 from tests.support.seaweed import SeaweedServer
@@ -41,15 +43,27 @@ def wait_for_parts(s3: SeaweedServer, bucket: str, key: str, want: set[int],
         time.sleep(0.05)
 
 
+# Off by default (config.py says why); these mounts turn it on where files land.
+STREAM = "".join(f"[classes.{c}]\nstream_parts = true\n" for c in ("default", "checkpoint", "dataset"))
+
+
+@pytest.fixture
+def streaming(tmp_path: Path) -> list[str]:
+    cfg = tmp_path / "stream.toml"
+    cfg.write_text(STREAM)
+    return ["--config", str(cfg)]
+
+
 def flush(m) -> None:  # type: ignore[no-untyped-def]
     res = run_tierfs("flush", str(m.mountpoint), env=m.env, timeout=300)
     assert res.returncode == 0, res.stderr
 
 
 def test_parts_go_up_while_the_file_is_written(
-    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer,
+    streaming: list[str],
 ) -> None:
-    m = mount_factory(f"s3://{bucket}")
+    m = mount_factory(f"s3://{bucket}", *streaming)
     data = os.urandom(6 * PART + 12345)
     with open(m.mountpoint / "ckpt.pt", "wb", buffering=0) as f:
         f.write(data[: 4 * PART])
@@ -70,9 +84,10 @@ def test_parts_go_up_while_the_file_is_written(
 
 
 def test_a_part_written_again_after_it_went_up_is_sent_again(
-    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer,
+    streaming: list[str],
 ) -> None:
-    m = mount_factory(f"s3://{bucket}")
+    m = mount_factory(f"s3://{bucket}", *streaming)
     local = bytearray(os.urandom(5 * PART))
     fd = os.open(m.mountpoint / "rewritten.pt", os.O_WRONLY | os.O_CREAT, 0o644)
     try:
@@ -92,16 +107,17 @@ def test_a_part_written_again_after_it_went_up_is_sent_again(
 
 
 def test_kill9_mid_streamed_write_aborts_the_upload_and_quarantines(
-    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path,
+    streaming: list[str],
 ) -> None:
     cache = tmp_path / "cache"
-    m = mount_factory(f"s3://{bucket}", cache_dir=cache)
+    m = mount_factory(f"s3://{bucket}", *streaming, cache_dir=cache)
     # 512 MiB of a file written and never closed: its first parts are up when the
     # daemon dies.
     kill_daemon_with_open_writer(m, m.mountpoint / "big.pt", 512 * MiB)
     assert len(open_uploads(s3_server, bucket)) == 1
     assert list((cache / "streams").glob("*.json")), "the upload id was not journaled"
-    m2 = mount_factory(f"s3://{bucket}", cache_dir=cache, mountpoint=m.mountpoint)
+    m2 = mount_factory(f"s3://{bucket}", *streaming, cache_dir=cache, mountpoint=m.mountpoint)
     flush(m2)
     assert open_uploads(s3_server, bucket) == []
     assert "big.pt" not in [o["Key"] for o in s3_server.client().list_objects_v2(
@@ -111,10 +127,11 @@ def test_kill9_mid_streamed_write_aborts_the_upload_and_quarantines(
 
 
 def test_a_temporary_name_sends_nothing_before_its_rename(
-    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer,
+    streaming: list[str],
 ) -> None:
     """torch.save to a temp name then os.replace: no upload under the temp name."""
-    m = mount_factory(f"s3://{bucket}")
+    m = mount_factory(f"s3://{bucket}", *streaming)
     data = os.urandom(4 * PART)
     with open(m.mountpoint / "model.pt.tmp", "wb") as f:
         f.write(data)
@@ -126,11 +143,12 @@ def test_a_temporary_name_sends_nothing_before_its_rename(
 
 
 def test_times_set_after_the_write_go_up_with_the_object(
-    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer,
+    streaming: list[str],
 ) -> None:
     """cp -a, tar x: utimens after the bytes. An upload created before the seal
     cannot carry them, so the file goes up the usual way with its times."""
-    m = mount_factory(f"s3://{bucket}")
+    m = mount_factory(f"s3://{bucket}", *streaming)
     data = os.urandom(4 * PART)
     path = m.mountpoint / "copied.bin"
     with open(path, "wb") as f:
@@ -144,3 +162,17 @@ def test_times_set_after_the_write_go_up_with_the_object(
     assert abs(float(head["Metadata"]["mtime"]) - 1_500_000_000.987654321) < 1e-6
     assert abs(os.stat(path).st_mtime_ns - 1_500_000_000_987_654_321) < 1000
     assert open_uploads(s3_server, bucket) == []
+
+
+def test_off_by_default_nothing_goes_up_before_the_seal(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+) -> None:
+    m = mount_factory(f"s3://{bucket}")
+    data = os.urandom(4 * PART)
+    with open(m.mountpoint / "ckpt.pt", "wb", buffering=0) as f:
+        f.write(data)
+        os.fsync(f.fileno())
+        assert open_uploads(s3_server, bucket) == []
+    flush(m)
+    assert obj(s3_server, bucket, "ckpt.pt") == data
+    assert m.metric("tierfs_writeback_total{event=streamed_parts}") == 0

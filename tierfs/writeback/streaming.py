@@ -177,7 +177,8 @@ class Streams:
         if s is not None:
             s.wake.set()
             return
-        if (self.enabled and t.high >= 2 * self.part and settings.write_mode == "writeback"
+        if (self.enabled and settings.stream_parts and t.high >= 2 * self.part
+                and settings.write_mode == "writeback"
                 and settings.name != "staged" and not pf.key.endswith("/")):
             s = t.stream = Stream(pf.key, self.part, stream_metadata(pf.attrs, pf.mtime))
             self.nursery.start_soon(self._pump, pf, t, s)
