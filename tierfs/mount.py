@@ -153,7 +153,8 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
             observe=metrics.writeback_event)
         barrier = Barrier(
             journal, partial(workers.disk, lambda: quarantine.notes() + conflicts.notes()),
-            hurry=uploader.hurry, release_grace=RELEASE_GRACE)
+            hurry=uploader.hurry, release_grace=RELEASE_GRACE,
+            staged=lambda key: policy.settings(key).name == "staged")
         publisher = Publisher(uploader, barrier, journal, conflicts,
                               Records(cache_dir / "publish"), workers, nursery,
                               conditional=p.conditional, on_dropped=ns.local_dropped,

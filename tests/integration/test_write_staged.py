@@ -154,6 +154,27 @@ def test_manifest_rename_publishes_in_the_background_after_its_barrier(
     assert in_bucket(s3_server, bucket, "ckpt/step-1/.metadata") == b"meta"
 
 
+def test_a_manifest_does_not_wait_for_temp_files_beside_it(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, proxy: FaultProxy,
+) -> None:
+    """A temporary file is not a checkpoint file until renamed: the manifest's
+    barrier leaves it (waiting would upload it under its temporary name)."""
+    m = mount_factory(f"s3://{bucket}", "--endpoint-url", proxy.endpoint)  # grace: 30 s
+    mp = m.mountpoint
+    os.makedirs(mp / "run")
+    (mp / "run/shard.pt").write_bytes(os.urandom(MiB))
+    (mp / "run/next.pt.tmp").write_bytes(os.urandom(MiB))  # a save still in progress
+    (mp / "run/latest").write_text("1")  # a manifest: published after its barrier
+    wait_in_bucket(s3_server, bucket, "run/latest", timeout=20)
+    order = put_keys(proxy, bucket)
+    assert order.index("run/latest") > order.index("run/shard.pt")
+    assert "run/next.pt.tmp" not in order
+    os.replace(mp / "run/next.pt.tmp", mp / "run/next.pt")
+    flush(m)
+    assert "run/next.pt.tmp" not in put_keys(proxy, bucket)
+    assert in_bucket(s3_server, bucket, "run/next.pt") is not None
+
+
 def test_background_publish_that_loses_its_race_is_reported(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, proxy: FaultProxy,
 ) -> None:

@@ -53,20 +53,29 @@ class Barrier:
     def __init__(
         self, journal: Journal, refused: Callable[[], Awaitable[list[Note]]], *,
         hurry: Callable[[PendingFile], None], release_grace: float,
+        staged: Callable[[str], bool] = lambda key: False,
     ) -> None:
         self.journal = journal
+        # Whether a key is a temporary name (the staged class): a manifest's
+        # barrier does not wait for those (they are not the checkpoint's files
+        # until renamed, and waiting would upload them under their temp names).
+        self.staged = staged
         self.refused = refused  # notes of files that failed for good (a disk read)
         self.hurry = hurry  # end a file's quiet delay: a barrier waits for no timer
         self.release_grace = release_grace
 
     def snapshot(
-        self, prefix: str, out: FlushOutcome, *, exclude: frozenset[str] = frozenset()
+        self, prefix: str, out: FlushOutcome, *, exclude: frozenset[str] = frozenset(),
+        manifest: bool = False,
     ) -> Waits:
-        """The files under `prefix` closed by now and not in the store yet."""
+        """The files under `prefix` closed by now and not in the store yet (for a
+        manifest's barrier, not those under temporary names)."""
         waits: Waits = []
         for pf in self.journal.under(prefix):
             if pf.key in exclude or not (pf.local or pf.sealed):
                 continue  # nothing of it is only here
+            if manifest and self.staged(pf.key):
+                continue
             if pf.sessions and not all(s.closed for s in pf.sessions):
                 out.still_open.append(pf.key)
             elif pf.sealed or pf.sessions:
@@ -80,9 +89,10 @@ class Barrier:
         exclude: frozenset[str] = frozenset(),
         stall: float | None = None,
         progress: Progress | None = None,
+        manifest: bool = False,
     ) -> FlushOutcome:
         out = FlushOutcome()
-        await self.wait(self.snapshot(prefix, out, exclude=exclude), out,
+        await self.wait(self.snapshot(prefix, out, exclude=exclude, manifest=manifest), out,
                         stall=stall, progress=progress)
         failed = {f["key"] for f in out.failed}
         for note in await self.refused():

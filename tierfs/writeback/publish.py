@@ -132,7 +132,7 @@ class Publisher:
         """A manifest sealed (or renamed onto): its barrier (the uploads pending in
         its subtree now) and condition, fsynced here. The PUT follows `submit`."""
         waits = self.barrier.snapshot(_parent_prefix(pf.key), FlushOutcome(),
-                                      exclude=frozenset({pf.key}))
+                                      exclude=frozenset({pf.key}), manifest=True)
         if pf.condition is None:  # a later seal before the PUT keeps the first condition
             pf.condition = Condition(*self._condition(if_match))
         rid = uuid.uuid4().hex
@@ -231,7 +231,8 @@ class Publisher:
             raise
 
     async def _barrier(self, key: str, *, exclude: str) -> None:
-        outcome = await self.barrier.flush(_parent_prefix(key), exclude=frozenset({exclude}))
+        outcome = await self.barrier.flush(_parent_prefix(key), exclude=frozenset({exclude}),
+                                           manifest=True)
         if outcome.failed:
             names = ", ".join(f["key"] for f in outcome.failed)
             raise OSError(errno.EIO, f"{key}: not published: the store refused {names}")
