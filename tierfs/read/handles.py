@@ -67,7 +67,11 @@ class ReadPath:
 
     def _open(self, key: str, etag: str, size: int, mtime: float) -> tuple[Entry, bytes | None]:
         """(In a worker) the tier-1 entry, and a whole small object's bytes if tier 1
-        holds all of them: loaded in this same hop, its reads need none (bodies.py)."""
+        holds all of them and none was served since the daemon started (a warm pass
+        after a remount: its first read would verify them in a worker hop of its
+        own): loaded and verified in this same hop, its reads need none (bodies.py).
+        An object served before is not loaded: the kernel may well still hold its
+        pages (keep_cache), and a load for nothing would cost a device read per open."""
         entry = self.cache.open(key, etag, size, mtime)
         if (
             not 0 < entry.size <= self.reader.whole_max
@@ -75,6 +79,7 @@ class ReadPath:
             or self.reader.bodies.cap < entry.size
             or self.reader.bodies.has(key, entry.etag)
             or entry.missing(0, entry.size)
+            or entry.servable_now(0, entry.size)
         ):
             return entry, None
         try:
