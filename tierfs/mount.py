@@ -47,6 +47,7 @@ from tierfs.namespace import Namespace
 from tierfs.ops import ControlOps, MountInfo
 from tierfs.policy import Policy
 from tierfs.posix import Defaults
+from tierfs.read.bodies import BODIES_MAX, Bodies
 from tierfs.read.handles import ReadPath
 from tierfs.read.reader import SERVE_BUFFER, Reader
 from tierfs.read.walkahead import WalkAhead
@@ -130,6 +131,7 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
             prefetch_parallel=max(1, data_slots - 1),
             landed_bytes=cfg.max_inflight_bytes,
             whole_object_max=cfg.whole_object_max,
+            bodies=Bodies(budget, min(BODIES_MAX, cfg.memory_budget // 8)),
         )
         queued = QueuedWrites(nursery, _apply_write(workers), QUEUED_WRITES, budget)
         walk_ahead = WalkAhead(reader, cache, workers, health, children=ns.children_of,

@@ -641,10 +641,12 @@ class Namespace:
         await self.revalidate(node)
         return node
 
-    async def revalidate(self, node: Node) -> None:
+    async def revalidate(self, node: Node, *, remember: bool = True) -> None:
         """HEAD a file and take what the store says; ENOENT if it is gone.
         A file written on this node and not yet uploaded is its own truth; a HEAD
-        within STRICT_REUSE seconds (the lookup of this same open) is reused."""
+        within STRICT_REUSE seconds (the lookup of this same open) is reused.
+        `remember=False`: the caller writes the learned attributes to the index
+        (one transaction for many HEADs)."""
         lf = self.overlay.local_file(node.path)
         if lf is not None:
             self._apply_local(node, lf)
@@ -661,7 +663,8 @@ class Namespace:
             raise OSError(errno.ENOENT, "object no longer exists")
         current = self._apply_info(node, info, time.monotonic(), headed=True)
         node.validated_at = current.validated_at = time.monotonic()
-        await self.remember()
+        if remember:
+            await self.remember()
 
     async def readdir(self, inode: int) -> list[tuple[str, Node]]:
         node = self.get(inode)
@@ -672,16 +675,20 @@ class Namespace:
         assert node.children is not None
         untyped = [n for i in node.children.values() if self.untyped(n := self._nodes[i])]
         if untyped:  # `ls -l`: their HEADs at once, not one lookup after the other
-            async with trio.open_nursery() as nursery:
-                for child in untyped:
-                    nursery.start_soon(self._type, child)
+            try:
+                async with trio.open_nursery() as nursery:
+                    for child in untyped:
+                        nursery.start_soon(self._type, child)
+            finally:  # what they taught, in one index transaction (not one per HEAD)
+                with trio.CancelScope(shield=True):
+                    await self.remember()
         return sorted((name, self._nodes[i]) for name, i in node.children.items())
 
     async def _type(self, node: Node) -> None:
         """Learn a small object's attributes (is it a symlink?) by HEAD; one that is
         gone or unreachable stays as the listing showed it."""
         with contextlib.suppress(OSError, StoreError):
-            await self.revalidate(node)
+            await self.revalidate(node, remember=False)
 
     def size_mtime(self, node: Node) -> tuple[int, float]:
         """A file's size and mtime: its local bytes' if it is being written here."""

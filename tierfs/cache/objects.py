@@ -367,6 +367,18 @@ class Entry:
             check(memoryview(data))
             return data
 
+    def read_whole(self) -> bytes:
+        """`read` of the whole object; a clean entry's pages are dropped after (as
+        `read_into` does): its reader keeps the bytes, tier 1 need not."""
+        with self._serving(0, self.size) as (n, check):
+            if not n:
+                return b""
+            data = _pread(self._fd, n, 0)
+            if self._state == CLEAN:
+                os.posix_fadvise(self._fd, 0, len(data), os.POSIX_FADV_DONTNEED)
+            check(memoryview(data))
+            return data
+
     def read_into(self, offset: int, length: int, buf: memoryview) -> memoryview:
         """`read` into `buf` (from `directio.aligned_buffer`, at least `length` +
         2 * ALIGN bytes); returns the view of `buf` holding the bytes.

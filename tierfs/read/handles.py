@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 
-from tierfs.cache import Cache, Entry
+from tierfs.cache import Cache, ChunkCorrupt, Entry
 from tierfs.config import ClassSettings
 from tierfs.globs import glob_to_regex
 from tierfs.health import StoreHealth
@@ -53,7 +53,9 @@ class ReadPath:
     async def open(
         self, key: str, etag: str, size: int, mtime: float, settings: ClassSettings
     ) -> ReadHandle:
-        entry = await self.workers.disk(self.cache.open, key, etag, size, mtime)
+        entry, body = await self.workers.disk(self._open, key, etag, size, mtime)
+        if body is not None:
+            self.reader.bodies.offer(key, entry.etag, body)
         try:
             if self._wants_prefetch(key, size) and not self.reader.prefetching(entry):
                 await self._prefetch_object(key, etag, size, mtime, entry)
@@ -62,6 +64,31 @@ class ReadPath:
             raise
         self.walk_ahead.opened(key, present=entry.state == "clean" and not entry.missing(0, size))
         return ReadHandle(self, entry, settings)
+
+    def _open(self, key: str, etag: str, size: int, mtime: float) -> tuple[Entry, bytes | None]:
+        """(In a worker) the tier-1 entry, and a whole small object's bytes if tier 1
+        holds all of them and none was served since the daemon started (a warm pass
+        after a remount: its first read would verify them in a worker hop of its
+        own): loaded and verified in this same hop, its reads need none (bodies.py).
+        An object served before is not loaded: the kernel may well still hold its
+        pages (keep_cache), and a load for nothing would cost a device read per open."""
+        entry = self.cache.open(key, etag, size, mtime)
+        if (
+            not 0 < entry.size <= self.reader.whole_max
+            or entry.state != "clean"
+            or self.reader.bodies.cap < entry.size
+            or self.reader.bodies.has(key, entry.etag)
+            or entry.missing(0, entry.size)
+            or entry.servable_now(0, entry.size)
+        ):
+            return entry, None
+        try:
+            return entry, entry.read_whole()
+        except (KeyError, ChunkCorrupt):  # evicted meanwhile, or corrupt: the read path refetches
+            return entry, None
+        except BaseException:
+            self.cache.release(entry)
+            raise
 
     async def read(
         self, entry: Entry, state: ReadState, off: int, size: int, settings: ClassSettings

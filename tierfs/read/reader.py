@@ -46,6 +46,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TypeVar
 
 import trio
 
@@ -53,12 +54,14 @@ from tierfs.budget import BufferPool, MemoryBudget
 from tierfs.cache import ChunkCorrupt, Entry
 from tierfs.cache.directio import ALIGN
 from tierfs.cache.objects import PAGE
+from tierfs.read.bodies import Bodies, Body
 from tierfs.read.landed import LandedParts
 from tierfs.read.streams import SMALL_READ, Fronts, ReadState
 from tierfs.store.base import Store, StoreError
 from tierfs.workers import Workers
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SIZE_LOG_AFTER = 1024  # log the FUSE read size histogram once, after this many reads
 SERVE_BUFFER = (1 << 20) + 2 * ALIGN  # a 1 MiB FUSE read at any offset, aligned for O_DIRECT
@@ -121,8 +124,12 @@ class Reader:
         prefetch_parallel: int,
         landed_bytes: int,
         whole_object_max: int,
+        bodies: Bodies | None = None,
     ) -> None:
         self.store = store
+        # Small objects' bytes in memory between their fetch (or their open's
+        # tier-1 load) and their read: served with no worker hop (bodies.py).
+        self.bodies = bodies if bodies is not None else Bodies(budget, 0)
         self.workers = workers
         self.nursery = nursery
         self.budget = budget
@@ -171,6 +178,13 @@ class Reader:
         end = min(off + size, entry.size)
         if off >= end:
             return b""
+        body = self._body(entry)
+        if body is not None:
+            if end >= entry.size:  # its last bytes: a reader reads a small file once
+                self.bodies.drop(entry.key, entry.etag)
+            self.bodies.served += 1
+            self.observe_read("cache", end - off)
+            return memoryview(body)[off:end]
         use = self._use(entry)
         if use is not None:
             readahead_max = min(readahead_max, use.cap)
@@ -198,6 +212,13 @@ class Reader:
         self.observe_read("store" if fetched else "cache", len(data))
         return data
 
+    def _body(self, entry: Entry) -> Body | None:
+        """The bytes of a clean small object kept in memory (bodies.py), if any."""
+        if entry.size > self.whole_max or entry.state != "clean" or not self.bodies:
+            return None
+        body = self.bodies.get(entry.key, entry.etag)
+        return body if body is not None and len(body) == entry.size else None
+
     def is_whole(self, entry: Entry) -> bool:
         """A small object: fetched whole by any read of it."""
         return entry.size <= self.whole_max and entry.state == "clean"
@@ -209,6 +230,12 @@ class Reader:
         and whether any had to be fetched."""
         if whole:
             fetched = await self.ensure(entry, 0, entry.size, whole_parts=False)
+            body = self._body(entry)  # this fetch's bytes (or a fetch ahead's)
+            if body is not None:
+                if end >= entry.size:
+                    self.bodies.drop(entry.key, entry.etag)
+                self.bodies.served += 1
+                return memoryview(body)[off:end], fetched
         elif small:
             fetched = await self.ensure_pages(entry, off, end)
         else:
@@ -669,35 +696,40 @@ class Reader:
                          OSError(errno.EIO, "fetch cancelled: daemon stopping"))
             raise
         try:
-            await self._fly(self._get_and_store_small, entry, a, b, flight, self._flights,
-                            entry.chunk_size, slots=self.workers.small)
+            body = await self._fly(self._get_and_store_small, entry, a, b, flight, self._flights,
+                                   entry.chunk_size, slots=self.workers.small)
         finally:
             self.budget.give(b - a)
+        if isinstance(body, memoryview) and a == 0 and b == entry.size and entry.state == "clean":
+            self.bodies.offer(entry.key, entry.etag, body)  # for its reader's read: no hop
 
-    def _get_and_store_small(self, entry: Entry, a: int, b: int) -> None:
+    def _get_and_store_small(self, entry: Entry, a: int, b: int) -> memoryview:
         if entry.closed:
             raise _Abandoned(entry.key)
-        _into_tier1(entry, entry.store, a, self._get_own(entry, a, b))
+        body = self._get_own(entry, a, b)
+        _into_tier1(entry, entry.store, a, body)
+        return body
 
     async def _fly(
         self,
-        fetch: Callable[[Entry, int, int], None],
+        fetch: Callable[[Entry, int, int], T],
         entry: Entry,
         a: int,
         b: int,
         flight: _Flight,
         table: dict[tuple[int, int], _Flight],
         unit: int,
-        slots: Callable[..., Awaitable[None]] | None = None,
-    ) -> None:
+        slots: Callable[..., Awaitable[T]] | None = None,
+    ) -> T | None:
         """Run one fetch in a worker (a data slot unless `slots` says otherwise);
         waiters learn its outcome; its claims on `table` (units of `unit` bytes)
-        are released whatever happens."""
+        are released whatever happens. What the fetch returned, None if it failed."""
         error: BaseException | None = None
         try:
-            await (slots or self.workers.data)(fetch, entry, a, b)
+            return await (slots or self.workers.data)(fetch, entry, a, b)
         except Exception as exc:
             error = _as_oserror(exc)
+            return None
         except BaseException:
             error = OSError(errno.EIO, "fetch cancelled: daemon stopping")
             raise

@@ -23,11 +23,10 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from functools import partial
 
 import trio
 
-from tierfs.cache import Cache
+from tierfs.cache import Cache, Entry
 from tierfs.health import StoreHealth
 from tierfs.read.reader import Reader
 from tierfs.read.walks import DIRS, Walks
@@ -129,12 +128,17 @@ class WalkAhead:
             finally:
                 self._wanted.discard(info.key)
 
-    async def _fetch(self, info: ObjectInfo) -> None:
-        known = await self.workers.disk(self.cache.lookup, info.key)
+    def _open_missing(self, info: ObjectInfo) -> Entry | None:
+        """(In a worker: one hop) the entry of an object tier 1 lacks, None if it has it."""
+        known = self.cache.lookup(info.key)
         if known is not None and known.etag == info.etag and known.cached_bytes == info.size:
-            return  # already in tier 1
-        entry = await self.workers.disk(partial(self.cache.open, use=False),
-                                        info.key, info.etag, info.size, info.mtime)
+            return None  # already in tier 1
+        return self.cache.open(info.key, info.etag, info.size, info.mtime, use=False)
+
+    async def _fetch(self, info: ObjectInfo) -> None:
+        entry = await self.workers.disk(self._open_missing, info)
+        if entry is None:
+            return
         try:
             if (
                 entry.state == "clean"
