@@ -350,6 +350,44 @@ class Entry:
             pos = seg_end
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def completeness(self) -> str:
+        """How whole the tier-1 copy of a clean, attached object is: "verified"
+        (every chunk present and checked by this process: the kernel may serve
+        the file itself, see read/modes.py), "complete" (every chunk present,
+        some not checked yet), or "partial" (also: written locally, detached)."""
+        with self._mu:
+            if self._state != CLEAN or self._detached or self._fd < 0:
+                return "partial"
+            if self._states.count(VERIFIED) == len(self._states):
+                return "verified"
+            return "partial" if ABSENT in self._states else "complete"
+
+    def backing_fd(self) -> int:
+        """The open fd of the cache file, to register as a passthrough backing
+        file (the kernel keeps its own reference: the entry may close it later)."""
+        with self._mu:
+            self._check_usable()
+            return self._fd
+
+    def pin_all(self) -> None:
+        """Keep every chunk from being punched out (eviction, `Cache.evict`) until
+        `unpin_all`: the kernel reads a passthrough file's backing file directly,
+        and a hole there would read as zeros, unchecked."""
+        with self._mu:
+            self._check_usable()
+            if self._states:
+                self._pin(0, len(self._states) - 1)
+
+    def unpin_all(self, chunks: int) -> None:
+        """Undo a `pin_all` made when the entry had `chunks` chunks."""
+        with self._mu:
+            if chunks:
+                self._unpin(0, chunks - 1)
+
+    def chunk_count(self) -> int:
+        with self._mu:
+            return len(self._states)
+
     def present(self, start: int, end: int) -> bool:
         cs = self.chunk_size
         with self._mu:

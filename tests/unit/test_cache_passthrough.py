@@ -1,0 +1,86 @@
+"""What FUSE passthrough asks of a tier-1 entry (read/modes.py): whether it is
+whole and verified, a reference taken without waiting, and chunks that
+eviction must not punch while the kernel reads the file itself."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tierfs.cache import Cache
+
+CS = 4096
+
+
+def new_cache(root: Path, capacity: int = 1 << 30) -> Cache:
+    c = Cache(root, capacity=capacity, chunk_size=CS, min_free=0)
+    c.bind("file:///src")
+    return c
+
+
+def test_completeness_partial_complete_verified(tmp_path: Path) -> None:
+    data = os.urandom(3 * CS + 100)
+    c = new_cache(tmp_path / "c")
+    e = c.open("k", "e1", len(data), 0.0)
+    assert e.completeness() == "partial"
+    e.store(0, data[: 2 * CS])
+    assert e.completeness() == "partial"
+    e.store(2 * CS, data[2 * CS :])
+    assert e.completeness() == "verified"  # fetched here: checked as it was stored
+    c.release(e)
+    c.close()
+
+    c = new_cache(tmp_path / "c")  # a restart: chunks on disk are not trusted yet
+    e = c.open("k", "e1", len(data), 0.0)
+    assert e.completeness() == "complete"
+    assert e.verify() == []
+    assert e.completeness() == "verified"
+    e.write(0, b"local")
+    assert e.completeness() == "partial"  # written here: the daemon path
+    c.release(e)
+    c.close()
+
+
+def test_an_empty_object_is_verified(tmp_path: Path) -> None:
+    c = new_cache(tmp_path / "c")
+    e = c.open("empty", "e", 0, 0.0)
+    assert e.completeness() == "verified"
+    c.release(e)
+    c.close()
+
+
+def test_retain_takes_a_reference_of_the_open_entry_only(tmp_path: Path) -> None:
+    c = new_cache(tmp_path / "c")
+    e = c.open("k", "e1", CS, 0.0)
+    assert c.retain(e)
+    c.release(e)
+    assert not e.closed  # the retained reference keeps it open
+    newer = c.open("k", "e2", CS, 0.0)  # a new version detaches the old entry
+    assert not c.retain(e)
+    c.release(e)
+    assert e.closed
+    c.release(newer)
+    c.close()
+
+
+def test_pinned_chunks_survive_eviction(tmp_path: Path) -> None:
+    """Over capacity, chunks of open entries are shed; a pinned entry keeps all of
+    its bytes on disk (the kernel would read holes as zeros, unchecked)."""
+    data = os.urandom(8 * CS)
+    c = new_cache(tmp_path / "c", capacity=10 * CS)
+    a = c.open("a", "e", len(data), 0.0)
+    a.store(0, data)
+    n = a.chunk_count()
+    a.pin_all()
+    assert not c.evict("a") or a.present(0, len(data))
+    b = c.open("b", "e", len(data), 0.0)
+    b.store(0, data)  # over capacity: eviction runs
+    assert a.present(0, len(data))
+    with open(a.path, "rb") as f:
+        assert f.read() == data
+    a.unpin_all(n)
+    c.evict("a")
+    assert not a.present(0, len(data))
+    c.release(a)
+    c.release(b)
+    c.close()
