@@ -29,7 +29,7 @@ from tierfs.passthrough import file_info
 from tierfs.read.handles import ReadHandle, ReadPath
 from tierfs.read.modes import Opened, OpenModes
 from tierfs.store.base import StoreError
-from tierfs.tree import TreeChanges
+from tierfs.tree import AttrChange, TreeChanges
 from tierfs.workers import Workers
 from tierfs.writeback.core import WriteBack
 from tierfs.writeback.session import WriteSession
@@ -130,7 +130,9 @@ class TierFS(pyfuse3.Operations):
                 await h.truncate(attr.st_size)
             else:
                 await self.tree.truncate(node, attr.st_size)
-        await self.tree.set_attrs(node, setattr_change(attr, fields))
+        change = setattr_change(attr, fields)
+        if change != AttrChange() or not fields.update_size:  # chown(-1, -1) moves the ctime
+            await self.tree.set_attrs(node, change)
         return self.attrs(self.ns.get(inode))
 
     # -- directories -------------------------------------------------------------------

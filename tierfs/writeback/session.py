@@ -189,20 +189,26 @@ class WriteSession:
             else:
                 await self._wb.local_write(self.entry.write, off, buf)
                 pf.size = self.entry.size
-            pf.mtime = time.time()
+            pf.written()
         return len(buf)
 
-    async def truncate(self, size: int) -> None:
+    async def truncate(self, size: int, *, always: bool = True) -> None:
+        """ftruncate, O_TRUNC (`always`: mtime and ctime move even when the size
+        stays); truncate(2) by path moves them only when the size changes (as
+        local filesystems do)."""
         pf = self.pf
         async with pf.lock:
             await self._settle()
+            if size == self.entry.size and not always:
+                return
             if not self.dirty:
                 await self._wb.uploader.stop(pf)
             await self._make_local(min(size, self.entry.size))
             await self._wb.local_write(self.entry.truncate, size)
             self._wb.mark_written(pf)
             self.dirty = True
-            pf.size, pf.mtime = size, time.time()
+            pf.size = size
+            pf.written()
 
     async def flush(self) -> None:
         """close(2): seal (and upload or publish) what this handle wrote."""

@@ -262,7 +262,7 @@ class Uploader:
         meta = {} if key.endswith("/") or digest is None else {
             DIGEST_META: digest,
             **upload_metadata(pf.attrs if pf is not None else attrs,
-                              pf.mtime if pf is not None else mtime or 0.0),
+                              pf.mtime_ns if pf is not None else round((mtime or 0.0) * 1e9)),
         }
         cond = Condition(if_match, if_none_match)
         if pf is not None:
