@@ -48,8 +48,8 @@ def main() -> None:
         src = b.work / "src.bin"
         write_random_file(src, args.size)
         mounts = {"passthrough": b.mount(), "no_passthrough": b.mount(None, "--no-passthrough")}
-        for m in mounts.values():
-            (m.mountpoint / "out").mkdir()
+        for w, m in mounts.items():  # one bucket: a directory each
+            (m.mountpoint / w).mkdir()
         t: dict[str, list[float]] = {f"{w}_{bs}": [] for bs in sizes
                                      for w in ("local", *mounts)}
         cpu: dict[str, list[float]] = {f"{w}_{bs}": [] for bs in sizes for w in mounts}
@@ -69,11 +69,11 @@ def main() -> None:
                     assert m.pid is not None
                     pid = m.pid
                     c0 = proc_cpu_seconds(pid)
-                    t[f"{w}_{bs}"].append(dd(str(src), str(m.mountpoint / f"out/{bs}-{run}.bin"), bs))
+                    t[f"{w}_{bs}"].append(dd(str(src), str(m.mountpoint / f"{w}/{bs}-{run}.bin"), bs))
                     cpu[f"{w}_{bs}"].append(proc_cpu_seconds(pid) - c0)
                     res = run_tierfs("flush", str(m.mountpoint), env=b.env, timeout=1800)
                     assert res.returncode == 0, res.stderr
-                    (m.mountpoint / f"out/{bs}-{run}.bin").unlink()
+                    (m.mountpoint / f"{w}/{bs}-{run}.bin").unlink()
         load_after = os.getloadavg()
         med = {k: median(v) for k, v in t.items()}
         b.result.update({"seconds": t, "median_seconds": med, "daemon_cpu_seconds": cpu,

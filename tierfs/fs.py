@@ -241,6 +241,7 @@ class TierFS(pyfuse3.Operations):
         h = self._handles[fh]
         if not isinstance(h, WriteSession):
             raise pyfuse3.FUSEError(errno.EBADF)
+        self.metrics.meta_op("write")  # none for a file the kernel writes (passthrough)
         return await h.write(off, buf)
 
     @fuse_errors
@@ -288,4 +289,5 @@ class TierFS(pyfuse3.Operations):
     def _info(self, h: ReadHandle | WriteSession, opened: Opened) -> pyfuse3.FileInfo:
         fh = next(self._fhs)
         self._handles[fh] = h
-        return file_info(fh, h.keep_cache, h.direct, self.modes.bind(fh, opened))
+        backing_id = self.modes.bind(fh, opened)  # passthrough wins over direct_io in the kernel
+        return file_info(fh, h.keep_cache, h.direct and not backing_id, backing_id)

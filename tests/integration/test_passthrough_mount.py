@@ -265,3 +265,141 @@ def test_no_passthrough_serves_every_open_on_the_daemon_path(
     said = [line for line in (m.cache_dir / "tierfs.log").read_text().splitlines()
             if "FUSE passthrough" in line]
     assert len(said) == 1 and f"FUSE passthrough: off ({st['reason']})" in said[0]
+
+
+# -- writes served by the kernel ----------------------------------------------------------
+
+WRITES = "tierfs_metadata_ops_total{op=write}"  # FUSE WRITE requests the daemon served
+
+
+def stored(s3_server: SeaweedServer, bucket: str, key: str) -> bytes:
+    body: bytes = s3_server.client().get_object(Bucket=bucket, Key=key)["Body"].read()
+    return body
+
+
+def flush(m: TierfsMount) -> None:
+    from tests.support.mount import run_tierfs
+
+    res = run_tierfs("flush", str(m.mountpoint), env=m.env, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+@needs_passthrough
+def test_a_new_file_is_written_by_the_kernel_and_uploaded_whole(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+) -> None:
+    """O_CREAT of a new file opens in passthrough on its tier-1 file: no WRITE
+    reaches the daemon, stat shows the size while it is open, and after close
+    the bucket holds exactly what was written."""
+    m = mount_factory(f"s3://{bucket}")
+    path = m.mountpoint / "out/new.bin"
+    path.parent.mkdir()
+    data = random.Random(30).randbytes(9 * MiB + 77)
+    writes = m.metric(WRITES)
+    with open(path, "wb", buffering=0) as f:
+        assert opens(m)["passthrough"]["writable"] == 1
+        for off in range(0, len(data), 1 << 16):
+            f.write(data[off:off + (1 << 16)])
+            if off == 4 * MiB:
+                assert os.fstat(f.fileno()).st_size == off + (1 << 16)
+                assert path.stat().st_size == off + (1 << 16)
+        assert os.stat(path).st_size == len(data)
+    assert m.metric(WRITES) == writes
+    assert path.stat().st_size == len(data) and read_all(path) == data
+    flush(m)
+    assert sha(stored(s3_server, bucket, "out/new.bin")) == sha(data)
+
+
+@needs_passthrough
+def test_o_trunc_torch_style_save_and_replace_land_whole(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+) -> None:
+    """O_TRUNC of an existing file, write + fsync + os.replace before close (the
+    savers' pattern), a write after fsync, ftruncate and pwrite past the end:
+    each is taken in at flush, fsync or release, and the bucket ends equal to
+    the local file."""
+    m = mount_factory(f"s3://{bucket}")
+    d = m.mountpoint / "ckpt"
+    d.mkdir()
+    (d / "model.pt").write_bytes(b"old" * 1000)
+    flush(m)
+    all_released(m)
+    data = random.Random(31).randbytes(3 * MiB + 5)
+    with open(d / "model.pt", "r+b", buffering=0) as f:  # existing, clean: daemon path
+        f.write(b"x")
+    flush(m)
+    all_released(m)
+    with open(d / "model.pt", "wb", buffering=0) as f:  # O_TRUNC: passthrough
+        f.write(data)
+        os.fsync(f.fileno())
+        f.write(b"tail after fsync")
+        os.ftruncate(f.fileno(), len(data) + 10)
+        os.pwrite(f.fileno(), b"END", len(data) + 20)
+    want = data + b"tail after" + b"\0" * 10 + b"END"
+    assert read_all(d / "model.pt") == want
+    flush(m)
+    assert sha(stored(s3_server, bucket, "ckpt/model.pt")) == sha(want)
+    # torch.save to a temp name, fsync, os.replace while still open
+    tmp = d / "model.pt.tmp"
+    data2 = random.Random(32).randbytes(2 * MiB)
+    with open(tmp, "wb", buffering=0) as f:
+        f.write(data2[:MiB])
+        os.replace(tmp, d / "model.pt")
+        f.write(data2[MiB:])
+        os.fsync(f.fileno())
+    assert read_all(d / "model.pt") == data2
+    flush(m)
+    assert sha(stored(s3_server, bucket, "ckpt/model.pt")) == sha(data2)
+    assert "ckpt/model.pt.tmp" not in [
+        o["Key"] for o in s3_server.client().list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert m.umount().returncode == 0
+    other = mount_factory(f"s3://{bucket}")
+    assert read_all(other.mountpoint / "ckpt/model.pt") == data2
+
+
+@needs_passthrough
+def test_a_reader_opening_during_the_write_sees_what_was_written(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+) -> None:
+    """Opens beside a passthrough writer share its backing file (the kernel's rule:
+    one mode per inode): a reader sees every byte written so far, a second writer
+    writes the same file, and an mmap sees the writes."""
+    m = mount_factory(f"s3://{bucket}")
+    path = m.mountpoint / "shared.bin"
+    part = random.Random(33).randbytes(MiB)
+    with open(path, "wb", buffering=0) as w:
+        w.write(part)
+        with open(path, "rb", buffering=0) as r:
+            assert r.read() == part
+            w.write(part[::-1])
+            assert os.pread(r.fileno(), MiB, MiB) == part[::-1]
+            with open(path, "r+b", buffering=0) as w2:
+                os.pwrite(w2.fileno(), b"second", 0)
+            assert os.pread(r.fileno(), 6, 0) == b"second"
+            with mmap.mmap(r.fileno(), 0, prot=mmap.PROT_READ) as mm:
+                assert mm[MiB:2 * MiB] == part[::-1]
+        assert opens(m)["passthrough"]["writable"] == 2
+    want = b"second" + part[6:] + part[::-1]
+    flush(m)
+    assert sha(stored(s3_server, bucket, "shared.bin")) == sha(want)
+    all_released(m)
+    with open(path, "rb", buffering=0) as r:  # uploaded: complete, verified at its seal
+        assert r.read() == want
+
+
+@needs_passthrough
+def test_an_unlinked_passthrough_file_is_never_uploaded(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+) -> None:
+    m = mount_factory(f"s3://{bucket}")
+    path = m.mountpoint / "scratch.bin"
+    with open(path, "wb", buffering=0) as f:
+        f.write(b"y" * 5000)
+        os.unlink(path)
+        f.write(b"z" * 5000)
+        st = os.fstat(f.fileno())
+        assert st.st_nlink == 0
+        f.seek(0)
+    flush(m)
+    keys = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert "scratch.bin" not in keys

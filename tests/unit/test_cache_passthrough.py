@@ -84,3 +84,45 @@ def test_pinned_chunks_survive_eviction(tmp_path: Path) -> None:
     c.release(a)
     c.release(b)
     c.close()
+
+
+def test_writes_the_kernel_made_are_taken_in_at_seal(tmp_path: Path) -> None:
+    """A passthrough writer's bytes never pass `Entry.write`: the seal learns the
+    length from the file and checksums what is there, not running sums of
+    writes made before the kernel took over."""
+    c = new_cache(tmp_path / "c")
+    e = c.open("new", "", 0, 0.0)
+    e.truncate(0)  # O_CREAT: dirty, empty
+    e.write(0, b"a" * CS)  # a running checksum the kernel's writes void
+    fd = e.begin_external()
+    data = os.urandom(5 * CS + 7)
+    os.pwrite(fd, data, 0)  # what the kernel does with the registered file
+    assert e.size == CS  # not seen yet
+    assert e.adopt_external().st_size == len(data) and e.size == len(data)
+    os.pwrite(fd, b"more", len(data))
+    e.set_state("sealed")
+    assert e.size == len(data) + 4
+    assert e.verify() == []  # the recorded checksums are the file's
+    assert e.read(0, e.size) == data + b"more"
+    os.pwrite(fd, b"after the seal", 0)  # a write after fsync: dirty again, sealed again
+    e.set_state("dirty")
+    e.end_external()
+    e.set_state("sealed")
+    assert e.verify() == []
+    assert e.read(0, 14) == b"after the seal"
+    c.release(e)
+    c.close()
+
+
+def test_only_a_local_write_may_be_written_by_the_kernel(tmp_path: Path) -> None:
+    c = new_cache(tmp_path / "c")
+    e = c.open("k", "e1", CS, 0.0)
+    e.store(0, os.urandom(CS))
+    try:
+        e.begin_external()
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a clean object must not be written by the kernel")
+    c.release(e)
+    c.close()

@@ -185,6 +185,12 @@ class Entry:
         self._sums: dict[int, bytes] = {}  # digests of chunks rewritten whole
         self._hashers: dict[int, tuple[xxhash.xxh3_64, int]] = {}  # chunk -> (hash, bytes)
         self._behind = 0  # writeback started for [0, _behind) (see write)
+        # Writers the kernel serves from this file itself (FUSE passthrough): their
+        # writes never pass through `write`, so the length and checksums kept here
+        # are learned from the file (`_adopt`). `_external_seen`: there were such
+        # writers since the last adoption (guarded by `_io`).
+        self._external = 0
+        self._external_seen = False
         # Absent chunk -> bitmask of its PAGE-sized pages fetched by small random reads
         # (`store_pages`). Memory only: not checksummed, not persisted, not counted in
         # `cached`; gone at the last release or once the whole chunk is stored.
@@ -387,6 +393,56 @@ class Entry:
     def chunk_count(self) -> int:
         with self._mu:
             return len(self._states)
+
+    # -- writers served by the kernel (FUSE passthrough) --------------------------
+
+    def begin_external(self) -> int:
+        """A writer whose write(2)s the kernel applies to the cache file itself
+        (passthrough) begins: the fd to register as its backing file. The entry
+        must be written locally already (dirty or sealed: a write-back file).
+        Until `end_external`, every change, seal and digest first learns the
+        file's length from the file (and forgets running checksums). In-memory
+        only: callable from the trio loop."""
+        with self._mu:
+            self._check_usable()
+            if self._state == CLEAN or self._detached:
+                raise ValueError(f"{self.key!r} is {self.state}: not a local write")
+            self._external += 1
+            self._external_seen = True
+            return self._fd
+
+    def end_external(self) -> None:
+        """The writer's file is released (it writes no more): its last writes taken in."""
+        with self._io:
+            with self._mu:
+                self._external -= 1
+            self._adopt()
+
+    def adopt_external(self) -> os.stat_result:
+        """What the kernel wrote so far, taken in (length, checksums to recompute);
+        the cache file's fstat."""
+        with self._io:
+            return self._adopt()
+
+    def _adopt(self) -> os.stat_result:
+        """(caller holds `_io`) The cache file's length is the truth, if the kernel
+        wrote it: running checksums cannot vouch for its bytes any more."""
+        st = os.fstat(self._fd)
+        with self._mu:
+            if not self._external_seen:
+                return st
+            if not self._external:
+                self._external_seen = False  # this adoption takes in every external write
+        self._sums.clear()
+        self._hashers.clear()
+        if st.st_size != self.size:
+            grew = st.st_size > self.size
+            with self._mu:
+                self._resize(st.st_size)
+            if grew:
+                self._cache.make_room(None)
+        self._behind = min(self._behind, st.st_size & ~(PAGE - 1))
+        return st
 
     def present(self, start: int, end: int) -> bool:
         cs = self.chunk_size
@@ -637,6 +693,7 @@ class Entry:
             raise ValueError(f"write at negative offset {offset}")
         behind: tuple[int, int] | None = None  # a range to start writing back
         with self._dirty_io(self.size):
+            self._adopt()
             size = self.size
             grew = offset + len(mv) > size
             if mv:
@@ -676,6 +733,7 @@ class Entry:
         if size < 0:
             raise ValueError(f"truncate to negative size {size}")
         with self._dirty_io(min(size, self.size)):
+            self._adopt()
             grew = size > self.size
             os.ftruncate(self._fd, size)
             with self._mu:
@@ -835,6 +893,8 @@ class Entry:
                 return
             if self._state != DIRTY:
                 raise ValueError(f"{self.key!r} is {self.state}: only a dirty entry can be sealed")
+        self._adopt()
+        with self._mu:
             count = len(self._states)
         os.fsync(self._fd)
         digests = [self._sealed_digest(i) for i in range(count)]

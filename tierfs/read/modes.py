@@ -2,10 +2,17 @@
 
 A read-only open of a clean object whose tier-1 copy is complete and verified
 by this process goes passthrough: the kernel reads the cache file itself (its
-page cache, its readahead) and the daemon sees no READ. Everything else takes
-the daemon path: writable opens (the write path must see every write(2)),
-partial objects, files written here and not yet uploaded, classes revalidated
-on every open (manifests), and any open while the mount has passthrough off.
+page cache, its readahead) and the daemon sees no READ. So does a writable
+open of a write-back file whose whole content is local (created, O_TRUNC, or
+written here and not uploaded yet): the kernel writes its tier-1 file at
+local-disk speed, and the write session takes the file as written, whole, at
+flush, fsync and release (size and mtime from the file; stat asks the file
+while it is open: WriteSession.observe). Everything else takes the daemon
+path: other writable opens (an object not yet local, write-through and
+published classes), partial objects, read-only opens of files written here
+and not yet uploaded (unless a writer holds them in passthrough: they join
+it), classes revalidated on every open (manifests), and any open while the
+mount has passthrough off.
 
 Verification never blocks an open: a complete object with chunks not yet
 checked since the daemon started is verified in the background (one object at
@@ -17,8 +24,9 @@ A read-only open of an inode open in passthrough joins it, even when the
 object has a newer version meanwhile: it reads the version the inode's open
 handles hold (as they do) until they are all closed; the next open gets the
 new cache file and a new backing id. A writable open of an inode open in
-passthrough is refused with ETXTBSY (joining would hide its writes from the
-write path, and the kernel fails any other mode with EIO).
+passthrough joins it when it writes that same file (a second writer of a
+local file); beside read-only opens of the clean object it is refused with
+ETXTBSY (the kernel fails any other mode with EIO).
 """
 
 from __future__ import annotations
@@ -47,11 +55,23 @@ log = logging.getLogger(__name__)
 PASSTHROUGH = "passthrough"
 
 
-H = TypeVar("H")
+class Writable(Protocol):
+    """A write session (writeback/session.py), as far as its open's mode goes."""
 
+    entry: Entry
 
-class Closable(Protocol):
     async def release(self) -> None: ...
+
+    def may_pass_through(self) -> bool: ...
+
+    async def prepare_pass_through(self) -> None: ...
+
+    def begin_pass_through(self) -> int: ...
+
+    async def end_pass_through(self) -> None: ...
+
+
+W = TypeVar("W", bound=Writable)
 
 
 @dataclass(frozen=True)
@@ -115,32 +135,75 @@ class OpenModes:
         self._count("daemon", why or "inode_busy")
         return Opened(inode, 0)
 
-    def open_write(self, inode: int) -> Opened:
-        """A writable open: always the daemon path, which sees every write(2);
-        OSError(ETXTBSY) while the inode is open in passthrough."""
-        if self.backings.acquire(inode, None, join=False) is None:
-            self._count("refused", "writable")
-            raise OSError(errno.ETXTBSY, "open for writing while read-only opens of it are "
-                          "served by FUSE passthrough; retry once they are closed")
-        self._count("daemon", "writable" if self.mode.enabled else "off")
-        return Opened(inode, 0)
+    def _refuse(self) -> OSError:
+        self._count("refused", "writable")
+        return OSError(errno.ETXTBSY, "open for writing while read-only opens of it are "
+                       "served by FUSE passthrough; retry once they are closed")
 
-    async def writable(self, inode: int, open_: Callable[[], Awaitable[H]]) -> tuple[H, Opened]:
-        """`open_write`, then the write path's open (`open_`)."""
-        opened = self.open_write(inode)
+    def _beside_readers(self, inode: int) -> bool:
+        """Whether `inode` is open in passthrough on a clean object (readers): a
+        writable open then cannot share its mode."""
+        owner = self.backings.owner(inode)
+        return bool(self.backings.mode(inode)) and (not isinstance(owner, Entry)
+                                                    or owner.state == "clean")
+
+    async def writable(self, inode: int, open_: Callable[[], Awaitable[W]]) -> tuple[W, Opened]:
+        """A writable open of an existing file: the write path's open (`open_`),
+        then `open_write`. ETXTBSY, before anything is opened, while read-only
+        opens of it are served by passthrough."""
+        if self._beside_readers(inode):
+            raise self._refuse()
+        h = await open_()
+        return h, await self.created(inode, h)
+
+    async def created(self, inode: int, h: W) -> Opened:
+        """`open_write` of a write session `h` (released if refused)."""
         try:
-            return await open_(), opened
+            return await self.open_write(inode, h)
         except BaseException:
-            self._drop(opened)
+            await h.release()
             raise
 
-    async def created(self, inode: int, handle: Closable) -> Opened:
-        """`open_write` of a file `handle` was just created for (released if refused)."""
-        try:
-            return self.open_write(inode)
-        except OSError:
-            await handle.release()
-            raise
+    async def open_write(self, inode: int, h: Writable) -> Opened:
+        """A writable open. Passthrough, with the file's tier-1 copy as backing file,
+        when the whole content is local (a new file, O_TRUNC, a write-back file not
+        uploaded yet) and no open of the inode is on the daemon path: the kernel
+        then writes at local-disk speed and the session takes the file as written
+        at flush, fsync and release. Otherwise the daemon path, which sees every
+        write(2). OSError(ETXTBSY) while the inode is open in passthrough on
+        another file (read-only opens of the clean object)."""
+        eligible = self.mode.enabled and h.may_pass_through()
+        if eligible:
+            await h.prepare_pass_through()  # no upload reads it while the kernel writes
+            eligible = h.may_pass_through()
+        # No await from here on: the inode's mode cannot change under the decision.
+        mode = self.backings.mode(inode)
+        if mode:  # open in passthrough: join it on the same file, or not at all
+            if not eligible or self.backings.owner(inode) is not h.entry:
+                raise self._refuse()
+            h.begin_pass_through()
+            joined = self.backings.acquire(inode, None)
+            assert joined
+            self._count(PASSTHROUGH, "writable")
+            return Opened(inode, joined)
+        if mode is None and eligible:
+            fd = h.begin_pass_through()
+            try:
+                backing_id = self.backings.acquire(inode, fd, h.entry)
+            except OSError as exc:
+                log.warning("passthrough open of %s for writing failed (%s): served by the "
+                            "daemon", h.entry.key, exc)
+                self.backings.acquire(inode, None)
+                self._count("daemon", "register_failed")
+                await h.end_pass_through()
+                return Opened(inode, 0)
+            assert backing_id
+            self._count(PASSTHROUGH, "writable")
+            return Opened(inode, backing_id)
+        self.backings.acquire(inode, None)
+        self._count("daemon", ("writable_busy" if mode == 0 else "writable") if self.mode.enabled
+                    else "off")
+        return Opened(inode, 0)
 
     def bind(self, fh: int, opened: Opened) -> int:
         """Remember the mode of file handle `fh`; its backing id (0: daemon path)."""

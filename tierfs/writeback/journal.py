@@ -27,6 +27,10 @@ class Writer(Protocol):
 
     closed: bool  # close(2) reached the daemon (FLUSH): its RELEASE follows
 
+    def observe(self) -> None:
+        """A writer the kernel serves itself (passthrough): take the file's size
+        and mtime from the file (no-op for others)."""
+
 
 class Condition(NamedTuple):
     """A conditional PUT: If-Match an ETag, or If-None-Match: * (a new object)."""
@@ -160,7 +164,11 @@ class Journal:
     def local_file(self, key: str) -> PendingFile | None:
         """The record of `key` if it holds bytes the store does not have."""
         pf = self.files.get(key)
-        return pf if pf is not None and pf.local else None
+        if pf is None or not pf.local:
+            return None
+        for s in pf.sessions:  # writes the daemon never saw show in stat
+            s.observe()
+        return pf
 
     def local_children(self, prefix: str) -> tuple[dict[str, PendingFile], set[str]]:
         """Local files directly under `prefix`, and sub-directories implied by deeper ones."""

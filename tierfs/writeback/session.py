@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -167,10 +168,81 @@ class WriteSession:
         self.failed = False  # a close or fsync of it failed: nothing of it may land later
         self.state = ReadState()
         self._queue: WriteQueue | None = None  # a direct handle's acknowledged, unapplied writes
+        # FUSE passthrough (read/modes.py): the kernel writes the cache file itself and
+        # no WRITE reaches this session. The fd it writes; the file's (size, mtime,
+        # ctime) when this handle's bytes were last sealed (a change since means
+        # written); the (size, mtime) last shown by stat.
+        self.backing_fd: int | None = None
+        self._sealed_stat: tuple[int, int, int] | None = None
+        self._observed: tuple[int, int] | None = None
 
     @property
     def settings(self) -> ClassSettings:
         return self._wb.policy.settings(self.pf.key)  # the class of its current name
+
+    # -- writes the kernel serves (FUSE passthrough) ---------------------------------------
+
+    @property
+    def passthrough(self) -> bool:
+        return self.backing_fd is not None
+
+    def may_pass_through(self) -> bool:
+        """Whether the kernel may write this file itself: its whole content is local
+        (created, truncated by O_TRUNC, or a write-back file not uploaded yet) and
+        its class is write-back (write-through and published classes act at close
+        on what they saw written)."""
+        return (self.settings.write_mode == "writeback" and not self.pf.key.endswith("/")
+                and self.entry.state != "clean" and not self.entry.detached
+                and not self.pf.unlinked and self._queue is None)
+
+    async def prepare_pass_through(self) -> None:
+        """Before the kernel may write the file: no upload may read it meanwhile."""
+        await self._wb.uploader.stop(self.pf)
+
+    def begin_pass_through(self) -> int:
+        """The kernel writes this file from now on: the fd to register as backing file
+        (no I/O: callable on the trio loop between deciding and registering)."""
+        fd = self.entry.begin_external()
+        st = os.fstat(fd)
+        self.backing_fd = fd
+        self._sealed_stat = None if self.dirty else (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        self._observed = (st.st_size, st.st_mtime_ns)
+        return fd
+
+    async def end_pass_through(self) -> None:
+        """Registration failed, or the handle is released: the daemon's again."""
+        if self.backing_fd is not None:
+            self.backing_fd = None
+            await self._wb.workers.disk(self.entry.end_external)
+
+    def observe(self) -> None:
+        """stat of a file the kernel writes: its size and mtime from the file (an
+        fstat of an open fd: no disk I/O)."""
+        if self.backing_fd is None:
+            return
+        try:
+            st = os.fstat(self.backing_fd)
+        except OSError:
+            return
+        seen = (st.st_size, st.st_mtime_ns)
+        if seen != self._observed:
+            self._observed = seen
+            self.pf.size = st.st_size
+            self.pf.written(st.st_mtime_ns)
+
+    async def _take_external(self) -> None:
+        """(holding pf.lock) Whether the kernel wrote the file since this handle last
+        sealed it: then it is dirty, as if every byte had come by write()."""
+        if self.backing_fd is None:
+            return
+        self.observe()
+        st = os.fstat(self.backing_fd)
+        if (st.st_size, st.st_mtime_ns, st.st_ctime_ns) == self._sealed_stat or self.dirty:
+            return
+        if self.entry.state == "sealed":
+            await self._wb.workers.disk(self.entry.set_state, "dirty")
+        self._wb.mark_written(self.pf)
+        self.dirty = True
 
     async def read(self, off: int, size: int) -> bytes | memoryview:
         return await self._wb.read(self.entry, self.state, off, size, self.settings)
@@ -199,6 +271,8 @@ class WriteSession:
         pf = self.pf
         async with pf.lock:
             await self._settle()
+            if self.entry.state != "clean":  # what the kernel wrote (passthrough), if it did
+                await self._wb.workers.disk(self.entry.adopt_external)
             if size == self.entry.size and not always:
                 return
             if not self.dirty:
@@ -209,6 +283,9 @@ class WriteSession:
             self.dirty = True
             pf.size = size
             pf.written()
+            if self.backing_fd is not None:  # stat shows this truncate's time, not the file's
+                st = os.fstat(self.backing_fd)
+                self._observed = (st.st_size, st.st_mtime_ns)
 
     async def flush(self) -> None:
         """close(2): seal (and upload or publish) what this handle wrote."""
@@ -223,7 +300,7 @@ class WriteSession:
         """The last reference to the open file is gone (after close(2) returned)."""
         pf = self.pf
         try:
-            if self.dirty and not self.failed:
+            if (self.dirty or self.backing_fd is not None) and not self.failed:
                 # Written after its last close (a mapping kept past close), or a
                 # close that never came: seal it now, as its class says.
                 try:
@@ -232,6 +309,7 @@ class WriteSession:
                     self.failed = True
                     log.warning("%r: written after its last close and not saved: %s", pf.key, exc)
         finally:
+            await self.end_pass_through()
             pf.sessions.discard(self)
             self._wb.journal.notify()
             if self._queue is not None:
@@ -245,7 +323,7 @@ class WriteSession:
     # -- internals ------------------------------------------------------------------------
 
     async def _seal_reporting(self) -> None:
-        if not self.dirty:
+        if not self.dirty and self.backing_fd is None:
             return
         try:
             await self._seal()
@@ -257,6 +335,7 @@ class WriteSession:
         pf = self.pf
         async with pf.lock:
             await self._settle()  # a file with a failed write is never sealed
+            await self._take_external()
             if not self.dirty:
                 return
             if pf.unlinked:  # lives on in its descriptors only: nothing to keep
@@ -264,7 +343,15 @@ class WriteSession:
                 return
             settings = self.settings
             mode = settings.write_mode
+            if self.backing_fd is not None:
+                # Taken before the seal reads the file: a write(2) after it moves the
+                # mtime or ctime (the stat marks the inode for fine-grained times) and
+                # the next flush seals again.
+                st = os.fstat(self.backing_fd)
+                before = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             await self._wb.seal_local(pf, self.entry)
+            if self.backing_fd is not None:
+                self._sealed_stat = before
             self.dirty = False
             if mode == "writeback":
                 return  # durable here; the upload follows the last release
