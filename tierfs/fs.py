@@ -218,7 +218,8 @@ class TierFS(pyfuse3.Operations):
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC):
             h, opened = await self.modes.writable(node.inode, functools.partial(
                 self.wb.open, node.path, node.etag, node.size, node.mtime, flags=flags,
-                inode=node.inode, attrs=node.attrs))
+                inode=node.inode, attrs=node.attrs),
+                writeback=node.settings.write_mode == "writeback")
         else:
             h = await self.reads.open(node.path, node.etag, node.size, node.mtime, node.settings)
             opened = self.modes.open_read(inode, h.entry, h.settings)

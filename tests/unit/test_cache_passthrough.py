@@ -126,3 +126,27 @@ def test_only_a_local_write_may_be_written_by_the_kernel(tmp_path: Path) -> None
         raise AssertionError("a clean object must not be written by the kernel")
     c.release(e)
     c.close()
+
+
+def test_an_unwritten_clean_object_goes_back_to_clean(tmp_path: Path) -> None:
+    """A clean, verified object made dirty at a writable open (so the kernel may
+    write it) and left unwritten is clean again under its ETag, no seal; one
+    the kernel wrote is not."""
+    data = os.urandom(3 * CS + 9)
+    c = new_cache(tmp_path / "c")
+    e = c.open("k", "e1", len(data), 0.0)
+    e.store(0, data)
+    e.set_state("dirty")
+    e.begin_external()
+    assert e.undirty("e1")
+    assert e.state == "clean" and e.completeness() == "verified"
+    e.end_external()
+    e.set_state("dirty")
+    fd = e.begin_external()
+    os.pwrite(fd, b"changed", CS)
+    assert not e.undirty("e1") and e.state == "dirty"
+    e.end_external()
+    e.set_state("sealed")
+    assert e.verify() == []
+    c.release(e)
+    c.close()

@@ -418,6 +418,37 @@ class Entry:
                 self._external -= 1
             self._adopt()
 
+    def undirty(self, etag: str) -> bool:
+        """Back to the clean object under `etag`, unchanged: a write session that made
+        a clean, verified object dirty to let the kernel write it, and wrote nothing.
+        True if every chunk still matches the checksum recorded for it (they are
+        kept while dirty, until a seal); False (still dirty) otherwise."""
+        with self._io:
+            with self._mu:
+                if self._state != DIRTY or self._detached or self.etag != etag:
+                    return False
+            self._adopt()
+            with self._mu:
+                n = len(self._states)
+            rec = self._cache.index.record(self._kh)
+            if (rec is None or rec.fid != self._fid or rec.size != self.size
+                    or len(self._cache.index.digests(self._fid, range(n))) != n):
+                return False
+            if self._bad_chunks(list(range(n))):
+                return False
+            with self._cache.index.write() as wt:
+                rec = self._record(wt)
+                wt.put(self._kh, rec, replace(rec, state=CLEAN))
+            self._cache.account(wt.used_delta)
+            with self._mu:
+                self._state = CLEAN
+                self._states[:] = bytes((VERIFIED,)) * n
+                self._pending = 0
+            self._sums.clear()
+            self._hashers.clear()
+            self._cache.index.sync()
+            return True
+
     def adopt_external(self) -> os.stat_result:
         """What the kernel wrote so far, taken in (length, checksums to recompute);
         the cache file's fstat."""

@@ -4,7 +4,8 @@ A read-only open of a clean object whose tier-1 copy is complete and verified
 by this process goes passthrough: the kernel reads the cache file itself (its
 page cache, its readahead) and the daemon sees no READ. So does a writable
 open of a write-back file whose whole content is local (created, O_TRUNC, or
-written here and not uploaded yet): the kernel writes its tier-1 file at
+written here and not uploaded yet, or a clean object complete and verified
+in tier 1, made a local write at open): the kernel writes its tier-1 file at
 local-disk speed, and the write session takes the file as written, whole, at
 flush, fsync and release (size and mtime from the file; stat asks the file
 while it is open: WriteSession.observe). Everything else takes the daemon
@@ -25,8 +26,9 @@ object has a newer version meanwhile: it reads the version the inode's open
 handles hold (as they do) until they are all closed; the next open gets the
 new cache file and a new backing id. A writable open of an inode open in
 passthrough joins it when it writes that same file (a second writer of a
-local file); beside read-only opens of the clean object it is refused with
-ETXTBSY (the kernel fails any other mode with EIO).
+local file, or a writer of the clean object the readers read: they see its
+writes, as on a local disk); otherwise it is refused with ETXTBSY (the kernel
+fails any other mode with EIO).
 """
 
 from __future__ import annotations
@@ -147,11 +149,14 @@ class OpenModes:
         return bool(self.backings.mode(inode)) and (not isinstance(owner, Entry)
                                                     or owner.state == "clean")
 
-    async def writable(self, inode: int, open_: Callable[[], Awaitable[W]]) -> tuple[W, Opened]:
+    async def writable(self, inode: int, open_: Callable[[], Awaitable[W]], *,
+                       writeback: bool) -> tuple[W, Opened]:
         """A writable open of an existing file: the write path's open (`open_`),
-        then `open_write`. ETXTBSY, before anything is opened, while read-only
-        opens of it are served by passthrough."""
-        if self._beside_readers(inode):
+        then `open_write`. ETXTBSY, before anything is opened (O_TRUNC), while
+        read-only opens of it are served by passthrough and the writer cannot
+        join them (`writeback`: its class is write-back, so it may: the readers'
+        clean, verified file is the one it writes)."""
+        if self._beside_readers(inode) and not (writeback and self.mode.enabled):
             raise self._refuse()
         h = await open_()
         return h, await self.created(inode, h)

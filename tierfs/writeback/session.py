@@ -29,6 +29,7 @@ from tierfs.cache import Cache, Entry
 from tierfs.config import ClassSettings
 from tierfs.health import StoreHealth
 from tierfs.policy import Policy
+from tierfs.posix import Attrs
 from tierfs.read.streams import ReadState
 from tierfs.store.base import ObjectInfo, StoreError
 from tierfs.workers import Workers
@@ -175,6 +176,10 @@ class WriteSession:
         self.backing_fd: int | None = None
         self._sealed_stat: tuple[int, int, int] | None = None
         self._observed: tuple[int, int] | None = None
+        # A clean object made a local write at open (for the kernel to write it):
+        # the ETag and attributes it had. While nothing changes, nothing is sealed;
+        # at release it goes back to clean if its bytes still match their checksums.
+        self._pristine: tuple[str, Attrs | None] | None = None
 
     @property
     def settings(self) -> ClassSettings:
@@ -188,16 +193,31 @@ class WriteSession:
 
     def may_pass_through(self) -> bool:
         """Whether the kernel may write this file itself: its whole content is local
-        (created, truncated by O_TRUNC, or a write-back file not uploaded yet) and
-        its class is write-back (write-through and published classes act at close
-        on what they saw written)."""
-        return (self.settings.write_mode == "writeback" and not self.pf.key.endswith("/")
-                and self.entry.state != "clean" and not self.entry.detached
-                and not self.pf.unlinked and self._queue is None)
+        (created, truncated by O_TRUNC, a write-back file not uploaded yet, or a
+        clean object complete and verified in tier 1) and its class is write-back
+        (write-through and published classes act at close on what they saw
+        written)."""
+        entry = self.entry
+        local = entry.state != "clean" or entry.completeness() == "verified"
+        return (local and self.settings.write_mode == "writeback" and not self.pf.key.endswith("/")
+                and not entry.detached and not self.pf.unlinked and self._queue is None)
 
     async def prepare_pass_through(self) -> None:
-        """Before the kernel may write the file: no upload may read it meanwhile."""
-        await self._wb.uploader.stop(self.pf)
+        """Before the kernel may write the file: no upload may read it meanwhile, and
+        a clean object becomes a local write now (the daemon path does that at the
+        first write(2); the kernel's never reach the daemon)."""
+        pf = self.pf
+        await self._wb.uploader.stop(pf)
+        if self.entry.state != "clean":
+            return
+        async with pf.lock:
+            if self.entry.state != "clean" or self.dirty:
+                return
+            etag = self.entry.etag
+            await self._wb.workers.disk(self.entry.set_state, "dirty")
+            self._wb.mark_written(pf)
+            self.dirty = True
+            self._pristine = (etag, pf.attrs)
 
     def begin_pass_through(self) -> int:
         """The kernel writes this file from now on: the fd to register as backing file
@@ -205,7 +225,8 @@ class WriteSession:
         fd = self.entry.begin_external()
         st = os.fstat(fd)
         self.backing_fd = fd
-        self._sealed_stat = None if self.dirty else (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        self._sealed_stat = (None if self.dirty and self._pristine is None
+                             else (st.st_size, st.st_mtime_ns, st.st_ctime_ns))
         self._observed = (st.st_size, st.st_mtime_ns)
         return fd
 
@@ -237,12 +258,36 @@ class WriteSession:
             return
         self.observe()
         st = os.fstat(self.backing_fd)
-        if (st.st_size, st.st_mtime_ns, st.st_ctime_ns) == self._sealed_stat or self.dirty:
+        if (st.st_size, st.st_mtime_ns, st.st_ctime_ns) == self._sealed_stat:
+            return
+        self._pristine = None  # written: sealed and uploaded whole
+        if self.dirty:
             return
         if self.entry.state == "sealed":
             await self._wb.workers.disk(self.entry.set_state, "dirty")
         self._wb.mark_written(self.pf)
         self.dirty = True
+
+    async def _restore(self, final: bool) -> bool:
+        """(holding pf.lock) A clean object made a local write at open, unwritten so
+        far: nothing to seal. At release (`final`) it goes back to the clean object
+        it was, with no upload, if it is the only writer, its attributes are as
+        they were and every byte still matches its recorded checksum (True)."""
+        if self._pristine is None:
+            return False
+        pf = self.pf
+        etag, attrs = self._pristine
+        if pf.attrs is not attrs or pf.unlinked:  # chmod, utimens...: they go up with it
+            self._pristine = None
+            return False
+        if not final:
+            return True
+        self._pristine = None
+        if len(pf.sessions) > 1 or not await self._wb.workers.disk(self.entry.undirty, etag):
+            return False
+        self.dirty = False
+        self._wb.journal.landed(pf)
+        return True
 
     async def read(self, off: int, size: int) -> bytes | memoryview:
         return await self._wb.read(self.entry, self.state, off, size, self.settings)
@@ -252,6 +297,7 @@ class WriteSession:
         async with pf.lock:
             if not self.dirty:
                 await self._begin_write()
+            self._pristine = None
             await self._wb.queued.drain_entry(self.entry, but=self._queue)  # others' first
             if self.direct:  # acknowledged now, applied in order in the background
                 if self._queue is None:
@@ -277,6 +323,7 @@ class WriteSession:
                 return
             if not self.dirty:
                 await self._wb.uploader.stop(pf)
+            self._pristine = None
             await self._make_local(min(size, self.entry.size))
             await self._wb.local_write(self.entry.truncate, size)
             self._wb.mark_written(pf)
@@ -304,20 +351,24 @@ class WriteSession:
                 # Written after its last close (a mapping kept past close), or a
                 # close that never came: seal it now, as its class says.
                 try:
-                    await self._seal()
+                    await self._seal(final=True)
                 except (OSError, StoreError, NotVerified) as exc:
                     self.failed = True
                     log.warning("%r: written after its last close and not saved: %s", pf.key, exc)
         finally:
             await self.end_pass_through()
-            pf.sessions.discard(self)
-            self._wb.journal.notify()
-            if self._queue is not None:
-                # Pages other opens cached may predate these writes. Newer kernels
-                # drop them in the direct write itself (6.18 does); older ones don't.
-                self._wb.invalidate(self.inode)
-            if not pf.sessions:
-                await self._wb.last_closed(pf, self.failed)
+            # Under the file's lock: a rename re-keying it (core._move_local) stops its
+            # upload, then moves it; the hand-over of the last writer must not slip in
+            # between (an upload under the old name, landed as the new one's).
+            async with pf.lock:
+                pf.sessions.discard(self)
+                self._wb.journal.notify()
+                if self._queue is not None:
+                    # Pages other opens cached may predate these writes. Newer kernels
+                    # drop them in the direct write itself (6.18 does); older ones don't.
+                    self._wb.invalidate(self.inode)
+                if not pf.sessions:
+                    await self._wb.last_closed(pf, self.failed)
             await self._wb.release_entry(self.entry)
 
     # -- internals ------------------------------------------------------------------------
@@ -331,12 +382,12 @@ class WriteSession:
             self.failed = True
             raise
 
-    async def _seal(self) -> None:
+    async def _seal(self, final: bool = False) -> None:
         pf = self.pf
         async with pf.lock:
             await self._settle()  # a file with a failed write is never sealed
             await self._take_external()
-            if not self.dirty:
+            if not self.dirty or await self._restore(final):
                 return
             if pf.unlinked:  # lives on in its descriptors only: nothing to keep
                 self.dirty = False
