@@ -167,6 +167,7 @@ class Entry:
         self._io = threading.Lock()  # changes that do I/O; never taken on the trio loop
         self._states = states
         self._pins: dict[int, int] = {}
+        self._kernel = 0  # passthrough opens on this file: no chunk may be punched out
         self._storing = 0  # store() calls in flight: going dirty waits for them
         self._dirtying = 0  # going dirty: no new store() may start meanwhile
         self._stores_done = threading.Condition(self._mu)
@@ -376,19 +377,18 @@ class Entry:
             return self._fd
 
     def pin_all(self) -> None:
-        """Keep every chunk from being punched out (eviction, `Cache.evict`) until
-        `unpin_all`: the kernel reads a passthrough file's backing file directly,
-        and a hole there would read as zeros, unchecked."""
+        """Keep every chunk, those the file grows by later included, from being
+        punched out (eviction, `Cache.evict`) until `unpin_all`: the kernel reads
+        and writes a passthrough file's backing file directly, and a hole there
+        would read as zeros, unchecked."""
         with self._mu:
             self._check_usable()
-            if self._states:
-                self._pin(0, len(self._states) - 1)
+            self._kernel += 1
 
-    def unpin_all(self, chunks: int) -> None:
-        """Undo a `pin_all` made when the entry had `chunks` chunks."""
+    def unpin_all(self, chunks: int = 0) -> None:
+        """Undo a `pin_all` (`chunks`: unused, kept for callers)."""
         with self._mu:
-            if chunks:
-                self._unpin(0, chunks - 1)
+            self._kernel -= 1
 
     def chunk_count(self) -> int:
         with self._mu:
@@ -982,7 +982,7 @@ class Entry:
                 if self._fd < 0 or self._detached or self._state != CLEAN:
                     return 0
                 picked, total = [], 0
-                for i in shed_order(self._states, *self._last):
+                for i in shed_order(self._states, *self._last) if not self._kernel else ():
                     if i not in self._pins:
                         picked.append(i)
                         total += self._chunk_len(i)
@@ -999,7 +999,8 @@ class Entry:
                 if self._state != CLEAN or self._fd < 0:
                     return -1
                 picked = [
-                    i for i, s in enumerate(self._states) if s in _CHECKSUMMED and i not in self._pins
+                    i for i, s in enumerate(self._states)
+                    if s in _CHECKSUMMED and i not in self._pins and not self._kernel
                 ]
             return self._discard(picked)
 
@@ -1013,7 +1014,8 @@ class Entry:
         with self._mu:
             picked = [
                 i for i in set(indexes)
-                if self._states[i] in _CHECKSUMMED and (pinned_too or i not in self._pins)
+                if self._states[i] in _CHECKSUMMED
+                and (pinned_too or (i not in self._pins and not self._kernel))
             ]
             if not picked:
                 return 0

@@ -48,10 +48,12 @@ from tierfs.workers import Workers
 
 log = logging.getLogger(__name__)
 
-# tierfs_opens_total{mode, why}: mode "passthrough" (why "passthrough") or "daemon",
-# why one of: off, writable, partial, unverified, local (written here, not yet
-# uploaded), revalidated (a class revalidated at every open), inode_busy (the
-# inode is open on the daemon path), register_failed; a passthrough open joining
+# tierfs_opens_total{mode, why}: mode "passthrough" (why "passthrough", or "writable"
+# for a writer) or "daemon", why one of: off, writable (a writer that does not
+# qualify), writable_busy (a writer beside daemon-path opens), partial, unverified,
+# local (written here, not yet uploaded), revalidated (a class revalidated at every
+# open), inode_busy (the inode is open on the daemon path), register_failed; a
+# passthrough open joining
 # handles of an older version counts as (passthrough, older_version), a
 # writable open refused beside passthrough handles as (refused, writable).
 PASSTHROUGH = "passthrough"
@@ -116,9 +118,12 @@ class OpenModes:
         if self.backings.mode(inode):  # open in passthrough: join it
             joined = self.backings.acquire(inode, None)
             assert joined
-            self._count(PASSTHROUGH, PASSTHROUGH if self.backings.owner(inode) is entry
-                        else "older_version")
-            return Opened(inode, joined)
+            same = self.backings.owner(inode) is entry
+            self._count(PASSTHROUGH, PASSTHROUGH if same else "older_version")
+            if not same:
+                return Opened(inode, joined)
+            entry.pin_all()  # the writer it joined may release first; its upload makes it clean
+            return Opened(inode, joined, (entry, 0))
         why = self._why_not(entry, settings)
         if why is None and self.backings.mode(inode) is None:
             try:
@@ -189,8 +194,9 @@ class OpenModes:
             h.begin_pass_through()
             joined = self.backings.acquire(inode, None)
             assert joined
+            h.entry.pin_all()
             self._count(PASSTHROUGH, "writable")
-            return Opened(inode, joined)
+            return Opened(inode, joined, (h.entry, 0))
         if mode is None and eligible:
             fd = h.begin_pass_through()
             try:
@@ -203,8 +209,9 @@ class OpenModes:
                 await h.end_pass_through()
                 return Opened(inode, 0)
             assert backing_id
+            h.entry.pin_all()  # clean again at release if unwritten (SessionWrite._restore)
             self._count(PASSTHROUGH, "writable")
-            return Opened(inode, backing_id)
+            return Opened(inode, backing_id, (h.entry, 0))
         self.backings.acquire(inode, None)
         self._count("daemon", ("writable_busy" if mode == 0 else "writable") if self.mode.enabled
                     else "off")
