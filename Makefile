@@ -61,8 +61,15 @@ ml-deps: setup $(ML_STAMP)
 demo: setup
 	$(PY) scripts/demo.py
 
+# Then a representative subset of the mount tests again with FUSE passthrough
+# off (TIERFS_TEST_PASSTHROUGH=0: every mount gets --no-passthrough, so the
+# kernel write-back cache is on): the path of nodes without root, a 6.9 kernel
+# or a passthrough build. (With PASSTHROUGH=0 the first pass is that path already.)
+NO_PASSTHROUGH_TESTS ?= tests/integration/test_read_mount.py tests/integration/test_readpath.py \
+	tests/integration/test_write_mount.py tests/integration/test_passthrough_mount.py
 test: setup ml-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	TIERFS_TEST_PASSTHROUGH=0 $(PY) -m pytest -q $(NO_PASSTHROUGH_TESTS)
 
 # Benchmarks (root: they drop the page cache); JSON lands in bench/results/.
 # PEERS=1 also installs rclone and s3fs (Debian packages) and measures them (--peers).

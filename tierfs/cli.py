@@ -110,6 +110,7 @@ def build_mount_config(args: argparse.Namespace) -> MountConfig:
         log_level=args.log_level,
         metrics_addr=args.metrics_addr,
         metrics_allow_remote=args.metrics_allow_remote or None,
+        passthrough=False if args.no_passthrough else None,
     )
 
 
@@ -213,6 +214,8 @@ def spawn_daemon(args: argparse.Namespace, cfg: MountConfig) -> int:
             argv += [flag, f"{value:o}"]
     if args.nonempty:
         argv.append("--nonempty")
+    if args.no_passthrough:
+        argv.append("--no-passthrough")
     if args.allow_unsafe_manifests:
         argv.append("--allow-unsafe-manifests")
     if args.log_file:
@@ -512,6 +515,9 @@ def parser() -> argparse.ArgumentParser:
                    help="directories' permissions (default: 755)")
     m.add_argument("--nonempty", action="store_true",
                    help="mount over a directory that has files in it (hiding them)")
+    m.add_argument("--no-passthrough", action="store_true",
+                   help="serve every read through the daemon, never by FUSE passthrough "
+                        "(keeps the kernel's write-back cache on)")
     m.add_argument("--allow-unsafe-manifests", action="store_true",
                    help="mount even if the store ignores conditional writes (manifests then "
                         "publish with plain PUTs)")

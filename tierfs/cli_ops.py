@@ -89,6 +89,15 @@ def print_status(st: dict[str, Any]) -> None:
     t.add_row("reads", f"{human(r.get('total_bytes', 0))}: tier 1 {human(r.get('cache_bytes', 0))}, "
               f"store {human(r.get('store_bytes', 0))}; hit ratio "
               f"{'-' if hit is None else f'{100 * hit:.1f}%'}")
+    pt = st.get("passthrough")
+    if pt:
+        opens = pt.get("opens") or {}
+        n_pt = sum((opens.get("passthrough") or {}).values())
+        daemon = opens.get("daemon") or {}
+        why = ", ".join(f"{k} {v}" for k, v in sorted(daemon.items()))
+        t.add_row("passthrough", f"{'on' if pt['enabled'] else 'off'} ({pt['reason']}); opens: "
+                  f"{n_pt} passthrough, {sum(daemon.values())} daemon"
+                  + (f" ({why})" if why else ""))
     lat = st.get("read_latency") or {}
     t.add_row("read latency", f"p50 {_ms(lat.get('p50'))}  p95 {_ms(lat.get('p95'))}  "
               f"p99 {_ms(lat.get('p99'))}  ({lat.get('count', 0)} reads)")
@@ -379,6 +388,7 @@ HELPER_OPTS: dict[str, tuple[str, bool]] = {
     "gid": ("--gid", True),
     "file_mode": ("--file-mode", True),
     "dir_mode": ("--dir-mode", True),
+    "no_passthrough": ("--no-passthrough", False),
 }
 
 

@@ -278,6 +278,11 @@ class MountConfig:
     gid: int | None = None
     file_mode: int = 0o644
     dir_mode: int = 0o755
+    # FUSE passthrough for files complete in tier 1 (DESIGN §3.8), where the
+    # kernel, libfuse and privileges allow it; it turns the kernel's write-back
+    # cache off (they exclude each other). False: daemon path only, write-back
+    # cache on.
+    passthrough: bool = True
 
     # store
     part_size: int = PART_SIZE  # ranged GET / multipart part
@@ -520,6 +525,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("store", "max_parallel_puts"): ("max_parallel_puts", _want_pos_int),
     ("store", "max_parallel_uploads"): ("max_parallel_uploads", _want_pos_int),
     ("store", "max_key_length"): ("max_key_bytes", _want_pos_int),
+    ("read", "passthrough"): ("passthrough", _want_bool),
     ("read", "readahead"): ("readahead", _want_size),  # every class's, unless set there
     ("read", "readahead_min"): ("readahead_min", _want_pos_size),
     ("read", "max_inflight"): ("max_inflight_bytes", _want_pos_size),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import itertools
 import logging
 import os
 import time
@@ -24,9 +25,11 @@ from tierfs.config import LOG_EVERY
 from tierfs.fs_attrs import caller, entry_attributes, setattr_change
 from tierfs.metrics import Metrics
 from tierfs.namespace import Namespace, Node
+from tierfs.passthrough import file_info
 from tierfs.read.handles import ReadHandle, ReadPath
+from tierfs.read.modes import Opened, OpenModes
 from tierfs.store.base import StoreError
-from tierfs.tree import TreeChanges
+from tierfs.tree import AttrChange, TreeChanges
 from tierfs.workers import Workers
 from tierfs.writeback.core import WriteBack
 from tierfs.writeback.session import WriteSession
@@ -72,13 +75,12 @@ def _name(name: bytes) -> str:
 
 
 class TierFS(pyfuse3.Operations):
-    # The kernel coalesces small writes into large requests and keeps written
-    # pages (DESIGN §9). Write-only opens of a direct_writes class (checkpoints)
-    # bypass it: for 1 MiB writes the page cache's write-back is the slower path.
-    enable_writeback_cache = True
+    # The kernel's write-back cache unless passthrough is on (DESIGN §9). getxattr stays
+    # unimplemented (ENOSYS): any answer costs each passthrough write(2) a GETXATTR.
 
     def __init__(self, namespace: Namespace, reads: ReadPath, writeback: WriteBack,
-                 tree: TreeChanges, metrics: Metrics, workers: Workers, cache_root: Path) -> None:
+                 tree: TreeChanges, metrics: Metrics, workers: Workers, cache_root: Path,
+                 modes: OpenModes) -> None:
         super().__init__()
         self.ns = namespace
         self.reads = reads
@@ -87,9 +89,11 @@ class TierFS(pyfuse3.Operations):
         self.metrics = metrics
         self.workers = workers
         self.cache_root = cache_root
+        self.modes = modes
+        self.enable_passthrough, self.enable_writeback_cache = modes.mode.enabled, not modes.mode.enabled
         self._handles: dict[int, ReadHandle | WriteSession] = {}
         self._dirs: dict[int, list[tuple[str, Node]]] = {}
-        self._next_fh = 1
+        self._fhs = itertools.count(1)
         self._logged: dict[str, tuple[float, int]] = {}
 
     def attrs(self, node: Node) -> pyfuse3.EntryAttributes:
@@ -126,7 +130,9 @@ class TierFS(pyfuse3.Operations):
                 await h.truncate(attr.st_size)
             else:
                 await self.tree.truncate(node, attr.st_size)
-        await self.tree.set_attrs(node, setattr_change(attr, fields))
+        change = setattr_change(attr, fields)
+        if change != AttrChange() or not fields.update_size:  # chown(-1, -1) moves the ctime
+            await self.tree.set_attrs(node, change)
         return self.attrs(self.ns.get(inode))
 
     # -- directories -------------------------------------------------------------------
@@ -134,7 +140,7 @@ class TierFS(pyfuse3.Operations):
     @fuse_errors
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         self.metrics.meta_op("readdir")
-        fh = self._new_fh()
+        fh = next(self._fhs)
         self._dirs[fh] = await self.ns.readdir(inode)
         return fh
 
@@ -210,20 +216,22 @@ class TierFS(pyfuse3.Operations):
             await self.ns.revalidate(node)
         h: ReadHandle | WriteSession
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC):
-            h = await self.wb.open(node.path, node.etag, node.size, node.mtime, flags=flags,
-                                   inode=node.inode, attrs=node.attrs)
+            h, opened = await self.modes.writable(node.inode, functools.partial(
+                self.wb.open, node.path, node.etag, node.size, node.mtime, flags=flags,
+                inode=node.inode, attrs=node.attrs),
+                writeback=node.settings.write_mode == "writeback")
         else:
             h = await self.reads.open(node.path, node.etag, node.size, node.mtime, node.settings)
+            opened = self.modes.open_read(inode, h.entry, h.settings)
         self.metrics.meta_op("open")
-        return pyfuse3.FileInfo(fh=self._add(h), keep_cache=h.keep_cache, direct_io=h.direct)
+        return self._info(h, opened)
 
     @fuse_errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         node, h = await self.tree.create(parent_inode, _name(name), flags, mode, caller(ctx))
         self.metrics.meta_op("create")
-        info = pyfuse3.FileInfo(fh=self._add(h), keep_cache=h.keep_cache, direct_io=h.direct)
-        return info, self.attrs(node)
+        return self._info(h, await self.modes.created(node.inode, h)), self.attrs(node)
 
     @fuse_errors  # pyfuse3 replies with any buffer (a view of a pooled one), not only bytes
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
@@ -234,6 +242,7 @@ class TierFS(pyfuse3.Operations):
         h = self._handles[fh]
         if not isinstance(h, WriteSession):
             raise pyfuse3.FUSEError(errno.EBADF)
+        self.metrics.meta_op("write")  # none for a file the kernel writes (passthrough)
         return await h.write(off, buf)
 
     @fuse_errors
@@ -251,6 +260,7 @@ class TierFS(pyfuse3.Operations):
     @fuse_errors
     async def release(self, fh: int) -> None:
         h = self._handles.pop(fh, None)
+        self.modes.release(fh)
         if h is not None:
             await h.release()
 
@@ -277,12 +287,8 @@ class TierFS(pyfuse3.Operations):
         log.warning(fmt + more, *args)
         self._logged[kind] = (now, 0)
 
-    def _add(self, h: ReadHandle | WriteSession) -> int:
-        fh = self._new_fh()
+    def _info(self, h: ReadHandle | WriteSession, opened: Opened) -> pyfuse3.FileInfo:
+        fh = next(self._fhs)
         self._handles[fh] = h
-        return fh
-
-    def _new_fh(self) -> int:
-        fh = self._next_fh
-        self._next_fh += 1
-        return fh
+        backing_id = self.modes.bind(fh, opened)  # passthrough wins over direct_io in the kernel
+        return file_info(fh, h.keep_cache, h.direct and not backing_id, backing_id)

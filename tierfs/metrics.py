@@ -107,6 +107,10 @@ class Metrics:
             "tierfs_writeback", "Write-back uploader events (uploaded bytes, retries)", ["event"],
             registry=r,
         )
+        self.opens = Counter(
+            "tierfs_opens", "File opens, by how they are served (passthrough: by the kernel "
+            "from the tier-1 file; daemon) and why", ["mode", "why"], registry=r,
+        )
         self.errors = Counter("tierfs_errors", "Errors returned to callers", ["kind"], registry=r)
         self.cache_bytes = Gauge("tierfs_cache_bytes", "Bytes held in tier 1", registry=r)
         self.cache_capacity = Gauge(
@@ -164,6 +168,9 @@ class Metrics:
 
     def meta_op(self, op: str) -> None:
         self.meta_ops.labels(op).inc()
+
+    def file_open(self, mode: str, why: str) -> None:
+        self.opens.labels(mode, why).inc()
 
     def error(self, kind: str) -> None:
         self.errors.labels(kind).inc()

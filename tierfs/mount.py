@@ -28,6 +28,7 @@ from pathlib import Path
 import pyfuse3
 import trio
 
+from tierfs import passthrough
 from tierfs.budget import BufferPool, MemoryBudget
 from tierfs.cache import Cache, Entry
 from tierfs.config import (
@@ -49,6 +50,7 @@ from tierfs.policy import Policy
 from tierfs.posix import Defaults
 from tierfs.read.bodies import BODIES_MAX, Bodies
 from tierfs.read.handles import ReadPath
+from tierfs.read.modes import OpenModes
 from tierfs.read.reader import SERVE_BUFFER, Reader
 from tierfs.read.walkahead import WalkAhead
 from tierfs.read.walks import Walks
@@ -167,14 +169,16 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
             fetch=partial(reader.ensure, whole_parts=True), refresh=ns.refresh,
             on_dropped=ns.local_dropped, invalidate=kernel.drop_pages)
         wb = WriteBack(ctx, store, quarantine, barrier)
-        ops = TierFS(ns, reads, wb, TreeChanges(ns, wb), metrics, workers, cache.root)
+        modes = OpenModes(passthrough.probe(cache_dir, cfg.passthrough), cache, workers,
+                          nursery, metrics.file_open)
+        ops = TierFS(ns, reads, wb, TreeChanges(ns, wb), metrics, workers, cache.root, modes)
         info = MountInfo(
             source=store.url, mountpoint=str(cfg.mountpoint), cache_dir=str(cache_dir),
             config_file=str(cfg.config_file) if cfg.config_file else None,
             classes=cfg.classes, rules=cfg.rules, default_class=cfg.default_class,
             metrics_url=p.metrics_url)
         ctl = ControlOps(info, ns, reader, cache, policy, metrics, workers, health, wb, budget,
-                         stop)
+                         modes.summary, stop)
         metrics.add_live(ctl.live_figures)
 
         nursery.start_soon(health.watch, partial(workers.meta, store.check))
@@ -209,6 +213,9 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
                 except (OSError, ControlError) as exc:
                     raise MountError(f"cannot publish the control socket: {exc}") from None
                 await workers.disk(set_kernel_readahead, cfg.mountpoint, cfg.kernel_read_ahead_kb)
+                modes.set_mode(await workers.disk(passthrough.confirm, modes.mode,
+                                                  cache.objects_dir))
+                log.info("FUSE passthrough: %s", modes.mode)
                 log.info("tierfs mounted %s at %s", store.url, cfg.mountpoint)
                 on_ready(p.warnings)
                 ready = True

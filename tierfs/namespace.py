@@ -91,8 +91,11 @@ class Node:
 
 class LocalFile(Protocol):
     size: int
-    mtime: float
+    mtime_ns: int
     attrs: Attrs | None
+
+    @property
+    def mtime(self) -> float: ...
 
 
 class LocalOverlay(Protocol):
@@ -245,20 +248,25 @@ class Namespace:
     # -- POSIX attributes ------------------------------------------------------
 
     def stat(self, node: Node) -> tuple[Attrs, int]:
-        """A node's attributes and size, as stat shows them."""
-        size, mtime = self.size_mtime(node)
+        """A node's attributes and size, as stat shows them (an unlinked node's were
+        frozen when its name went: what now has its name is another file)."""
         a = node.attrs
         if node.is_dir:
             return a or default_attrs(stat.S_IFDIR, self.defaults, int(node.mtime * 1e9)), 0
-        lf = self.overlay.local_file(node.path)
+        lf = self.overlay.local_file(node.path) if self.linked(node) else None
+        size = node.size if lf is None else lf.size
         if lf is not None:
             a = lf.attrs or a
         if a is None:
-            return default_attrs(stat.S_IFREG, self.defaults, int(mtime * 1e9)), size
-        return (a if lf is None else a.written_at(lf.mtime)), size
+            mtime_ns = int(node.mtime * 1e9) if lf is None else lf.mtime_ns
+            return default_attrs(stat.S_IFREG, self.defaults, mtime_ns), size
+        return (a if lf is None else a.written_at(lf.mtime_ns)), size
 
     def nlink(self, node: Node) -> int:
-        """2 + subdirectories for a directory whose entries are known, else 2; 1 for files."""
+        """2 + subdirectories for a directory whose entries are known, else 2; 1 for
+        files; 0 once unlinked (renamed over, removed: fstat of an open descriptor)."""
+        if not self.linked(node):
+            return 0
         if not node.is_dir:
             return 1
         kids = node.children or {}
@@ -271,7 +279,7 @@ class Namespace:
 
     def linked(self, node: Node) -> bool:
         """Whether `node` still has its name (not unlinked, renamed over or replaced)."""
-        return self._by_path.get(node.path) == node.inode
+        return node.inode == ROOT_INODE or self._by_path.get(node.path) == node.inode
 
     def set_attrs(self, node: Node, attrs: Attrs, *, etag: str | None = None,
                   link: str | None = None) -> None:
@@ -636,7 +644,7 @@ class Namespace:
 
     async def getattr(self, inode: int) -> Node:
         node = self.get(inode)
-        if node.is_dir or time.monotonic() < node.attr_expire:
+        if node.is_dir or time.monotonic() < node.attr_expire or not self.linked(node):
             return node
         await self.revalidate(node)
         return node
@@ -647,6 +655,8 @@ class Namespace:
         within STRICT_REUSE seconds (the lookup of this same open) is reused.
         `remember=False`: the caller writes the learned attributes to the index
         (one transaction for many HEADs)."""
+        if not self.linked(node):
+            return  # unlinked while open: what it was is all there is to it
         lf = self.overlay.local_file(node.path)
         if lf is not None:
             self._apply_local(node, lf)
@@ -692,7 +702,7 @@ class Namespace:
 
     def size_mtime(self, node: Node) -> tuple[int, float]:
         """A file's size and mtime: its local bytes' if it is being written here."""
-        lf = None if node.is_dir else self.overlay.local_file(node.path)
+        lf = None if node.is_dir or not self.linked(node) else self.overlay.local_file(node.path)
         return (node.size, node.mtime) if lf is None else (lf.size, lf.mtime)
 
     async def refresh(self, key: str) -> ObjectInfo:
@@ -766,8 +776,13 @@ class Namespace:
         if parent.children is not None:
             parent.children.pop(name, None)
         self.kept.changed(parent.key)
-        inode = self._by_path.pop(path, None)
+        inode = self._by_path.get(path)
         if inode is not None:
+            gone = self._nodes[inode]
+            self.unlinking(gone)
+            if gone.attrs is not None:
+                gone.attrs = replace(gone.attrs, ctime_ns=time.time_ns())
+            del self._by_path[path]
             self._remember[self._nodes[inode].key] = None
         self.touch_dir(parent_inode)
         if inode is not None and self._nodes[inode].is_dir:  # a file has nothing below it
@@ -776,6 +791,15 @@ class Namespace:
                 if self._nodes[self._by_path[sub]].is_dir:
                     self.kept.changed(f"{sub}/")
                 del self._by_path[sub]
+
+    def unlinking(self, node: Node) -> None:
+        """`node` is losing its name (unlink, renamed over): its attributes and size
+        stay as they are now (descriptors still open on it fstat them), less its
+        link, which moves its ctime. Call it before the write path forgets its
+        local bytes; `remove` calls it too."""
+        if self.linked(node) and not node.is_dir and self.overlay.local_file(node.path) is not None:
+            node.attrs, node.size = self.stat(node)
+            node.mtime = node.attrs.mtime_ns / 1e9
 
     def move(self, old_parent: int, old_name: str, new_parent: int, new_name: str) -> None:
         """Re-key a node (and, for a directory, every known node below it)."""
@@ -803,8 +827,12 @@ class Namespace:
             self._by_path[node.path] = moved
             if node.is_dir:
                 self.kept.changed(node.key)
-            if moved == inode and node.attrs is not None:  # rename(2) moves the ctime
-                node.attrs = replace(node.attrs, ctime_ns=now)
+            if moved == inode:  # rename(2) moves the ctime (of its local record too)
+                if node.attrs is not None:
+                    node.attrs = replace(node.attrs, ctime_ns=now)
+                lf = None if node.is_dir else self.overlay.local_file(node.path)
+                if lf is not None and lf.attrs is not None:
+                    lf.attrs = replace(lf.attrs, ctime_ns=now)
             self._note(node)
         if dst.children is not None:
             dst.children[new_name] = inode

@@ -96,6 +96,7 @@ class ControlOps:
         health: StoreHealth,
         writeback: WriteBack,
         budget: MemoryBudget,
+        passthrough: Callable[[], dict[str, Any]],
         stop: trio.Event,
     ) -> None:
         self.info = info
@@ -108,6 +109,7 @@ class ControlOps:
         self.health = health
         self.wb = writeback
         self.budget = budget
+        self.passthrough = passthrough  # the mount's mode, why, inodes open that way
         self.stop = stop
         # Figures owned by trio-side objects, refreshed by `refresh_live` and read
         # by the metrics scrape thread (which must not call into them itself).
@@ -275,6 +277,10 @@ class ControlOps:
             lab = dict(p.split("=", 1) for p in k.split(","))
             requests.setdefault(lab.get("op", "?"), {})[lab.get("status", "?")] = int(v)  # type: ignore[call-overload]
         errors = {k.split("=", 1)[1]: int(v) for k, v in labelled("tierfs_errors_total").items()}  # type: ignore[call-overload]
+        opens: dict[str, dict[str, int]] = {}
+        for k, v in labelled("tierfs_opens_total").items():
+            lab = dict(p.split("=", 1) for p in k.split(","))
+            opens.setdefault(lab.get("mode", "?"), {})[lab.get("why", "?")] = int(v)  # type: ignore[call-overload]
         return _jsonable({
             "pid": os.getpid(),
             "source": info.source,
@@ -309,6 +315,7 @@ class ControlOps:
             "quarantined": quarantined,
             "memory": {"budget": self.budget.limit, "used": self.budget.used,
                        "peak": self.budget.peak},
+            "passthrough": {**self.passthrough(), "opens": opens},
             "read_latency": self.metrics.read_latency_summary(),
             "errors": errors,
             "metrics_addr": info.metrics_url,

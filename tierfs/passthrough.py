@@ -103,7 +103,7 @@ def probe(cache_dir: Path, wanted: bool = True) -> Mode:
     `enabled` here means "ask the kernel for it" (`Operations.enable_passthrough`);
     `confirm` says after init whether it was granted and registration works."""
     if not wanted:
-        return Mode(False, "turned off (--no-passthrough)")
+        return Mode(False, "turned off: --no-passthrough or [read] passthrough = false")
     release = platform.release()
     why = kernel_reason(release) or pyfuse3_reason()
     if why:
@@ -138,6 +138,15 @@ def confirm(mode: Mode, cache_dir: Path) -> Mode:
     return mode
 
 
+def file_info(fh: int, keep_cache: bool, direct_io: bool, backing_id: int) -> pyfuse3.FileInfo:
+    """An open's reply; `backing_id` > 0 makes it passthrough (only the
+    passthrough build of pyfuse3 has the field)."""
+    info = pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=direct_io)
+    if backing_id:
+        info.backing_id = backing_id
+    return info
+
+
 def register(fd: int) -> int:
     """Register an open file as a backing file: its backing id (> 0). OSError
     as from `pyfuse3.passthrough_open` (ENOTSUP with a stock pyfuse3)."""
@@ -158,30 +167,36 @@ class InodeBackings:
     concurrent opens, or 0 for the daemon path.
 
     The kernel fails an open with EIO unless every concurrent open of an inode
-    is passthrough on the same backing file, or none is. So an open inode keeps
-    its mode, whatever a new open asks for; it changes only once every handle
-    was released. Not thread-safe: call it from the trio loop (it does no disk
-    I/O; registering is an ioctl)."""
+    is passthrough on the same backing file, or none is (FOPEN_DIRECT_IO does
+    not exempt an open). So an open inode keeps its mode, whatever a new open
+    asks for; it changes only once every handle was released. Not thread-safe:
+    call it from the trio loop (it does no disk I/O; registering is an ioctl)."""
 
     def __init__(self) -> None:
-        self._open: dict[int, tuple[int, int]] = {}  # inode -> (backing id or 0, opens)
+        # inode -> (backing id or 0, what the backing file holds, opens)
+        self._open: dict[int, tuple[int, object, int]] = {}
 
-    def acquire(self, inode: int, fd: int | None) -> int:
+    def acquire(self, inode: int, fd: int | None, owner: object = None,
+                *, join: bool = True) -> int | None:
         """Count one more open of `inode`: the backing id its reply must carry
         (0: serve it on the daemon path). `fd`: a file to register if this open
         starts the inode's passthrough (the caller keeps and closes it); None
-        asks for the daemon path. OSError from registering counts nothing."""
-        backing_id, opens = self._open.get(inode, (-1, 0))
+        asks for the daemon path. `owner`: what the backing file holds, for
+        `owner()`. With `join=False` an inode open in passthrough is refused:
+        None, nothing counted. OSError from registering counts nothing."""
+        backing_id, held, opens = self._open.get(inode, (-1, None, 0))
         if opens == 0:
-            backing_id = register(fd) if fd is not None else 0
-        self._open[inode] = (backing_id, opens + 1)
+            backing_id, held = (register(fd), owner) if fd is not None else (0, None)
+        elif backing_id and not join:
+            return None
+        self._open[inode] = (backing_id, held, opens + 1)
         return backing_id
 
     def release(self, inode: int) -> None:
         """Count one open less; the last one drops the inode's backing id."""
-        backing_id, opens = self._open[inode]
+        backing_id, held, opens = self._open[inode]
         if opens > 1:
-            self._open[inode] = (backing_id, opens - 1)
+            self._open[inode] = (backing_id, held, opens - 1)
             return
         del self._open[inode]
         if backing_id:
@@ -191,3 +206,12 @@ class InodeBackings:
         """The backing id (0: daemon path) of an open inode; None when not open."""
         entry = self._open.get(inode)
         return entry[0] if entry else None
+
+    def owner(self, inode: int) -> object:
+        """What the backing file of an inode open in passthrough holds (None otherwise)."""
+        entry = self._open.get(inode)
+        return entry[1] if entry else None
+
+    def backed(self) -> int:
+        """Inodes open in passthrough right now."""
+        return sum(1 for b, _, _ in self._open.values() if b)

@@ -93,13 +93,12 @@ class Attrs:
             ctime_ns=now_ns,
         )
 
-    def written_at(self, mtime: float) -> Attrs:
-        """These attributes after a write at `mtime` (seconds), if it came after them
-        (a file's journal keeps the time of its last write as a float)."""
-        if mtime == self.mtime_ns / _NS:
+    def written_at(self, mtime_ns: int) -> Attrs:
+        """These attributes after a write at `mtime_ns`, if they do not show it yet
+        (a file's journal keeps the time of its last write)."""
+        if mtime_ns == self.mtime_ns:
             return self
-        ns = int(mtime * _NS)
-        return replace(self, mtime_ns=ns, ctime_ns=max(self.ctime_ns, ns))
+        return replace(self, mtime_ns=mtime_ns, ctime_ns=max(self.ctime_ns, mtime_ns))
 
     def with_times(self, atime_ns: int | None, mtime_ns: int | None, now_ns: int) -> Attrs:
         return replace(
@@ -133,13 +132,13 @@ def to_metadata(attrs: Attrs) -> dict[str, str]:
     }
 
 
-def upload_metadata(attrs: Attrs | None, mtime: float) -> dict[str, str]:
+def upload_metadata(attrs: Attrs | None, mtime_ns: int) -> dict[str, str]:
     """What an upload of a file last written at `mtime` stores: its attributes,
     or only that mtime while they are unknown (a file this mount never saw the
     attributes of keeps the defaults' meaning: unknown)."""
     if attrs is None:
-        return {MTIME: format_time(int(mtime * _NS))}
-    return to_metadata(attrs.written_at(mtime))
+        return {MTIME: format_time(mtime_ns)}
+    return to_metadata(attrs.written_at(mtime_ns))
 
 
 def has_attrs(metadata: Mapping[str, str]) -> bool:

@@ -147,6 +147,7 @@ class TreeChanges:
         node = await self._child(parent_inode, name)
         if node.is_dir:
             raise OSError(errno.EISDIR, "is a directory")
+        self.ns.unlinking(node)  # what its open descriptors fstat from now on
         await self.wb.delete(node.path)
         self.ns.remove(parent_inode, name)
         await self.ns.remember()
@@ -189,6 +190,8 @@ class TreeChanges:
             if dst.is_dir:
                 await self._ensure_empty(dst)
                 await self.wb.remove_dir(dst.key)
+            else:
+                self.ns.unlinking(dst)
         target = join(self.ns.get(parent_new).path, new)
         if src.is_dir:
             copied = await self.wb.rename_tree(src.key, f"{target}/")

@@ -20,6 +20,9 @@ from pathlib import Path
 import pytest
 
 TIERFS = [sys.executable, "-m", "tierfs"]
+# TIERFS_TEST_PASSTHROUGH=0: every mount of the tests serves reads on the daemon
+# path (--no-passthrough), the way `make test` runs its second pass.
+PASSTHROUGH_OFF = os.environ.get("TIERFS_TEST_PASSTHROUGH") == "0"
 
 
 def run_tierfs(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
@@ -46,8 +49,9 @@ class TierfsMount:
     def start(self) -> TierfsMount:
         if not is_mounted(self.mountpoint):  # a stale mount is tierfs's to clean
             self.mountpoint.mkdir(parents=True, exist_ok=True)
+        extra = [*self.extra, "--no-passthrough"] if PASSTHROUGH_OFF else self.extra
         res = run_tierfs("mount", self.source, str(self.mountpoint), "--cache-dir",
-                         str(self.cache_dir), *self.extra, env=self.env)
+                         str(self.cache_dir), *extra, env=self.env)
         if res.returncode != 0:
             raise RuntimeError(f"mount failed ({res.returncode}): {res.stderr.strip()}")
         self.stderr = res.stderr

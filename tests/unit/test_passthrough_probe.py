@@ -63,7 +63,7 @@ def test_this_pyfuse3_build() -> None:
     if getattr(pyfuse3, "HAVE_PASSTHROUGH", False):
         assert why is None
         assert passthrough.probe(Path("/tmp"), wanted=False) == passthrough.Mode(
-            False, "turned off (--no-passthrough)")
+            False, "turned off: --no-passthrough or [read] passthrough = false")
     else:
         assert why is not None and "pyfuse3" in why
 

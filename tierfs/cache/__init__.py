@@ -346,6 +346,16 @@ class Cache:
                 e._refs += 1
             return e
 
+    def retain(self, entry: Entry) -> bool:
+        """One more reference on an entry its caller holds open, without waiting
+        (in-memory only: callable from the trio loop); release it. False if the
+        entry is no longer the key's open one (replaced, removed)."""
+        with self._lock:
+            if entry._refs <= 0 or self._open.get(entry._kh) is not entry:
+                return False
+            entry._refs += 1
+            return True
+
     def reclaim(self) -> None:
         """Evict clean data until within capacity and above the free-space floor
         (before retrying a local write that hit ENOSPC)."""

@@ -167,6 +167,7 @@ class Entry:
         self._io = threading.Lock()  # changes that do I/O; never taken on the trio loop
         self._states = states
         self._pins: dict[int, int] = {}
+        self._kernel = 0  # passthrough opens on this file: no chunk may be punched out
         self._storing = 0  # store() calls in flight: going dirty waits for them
         self._dirtying = 0  # going dirty: no new store() may start meanwhile
         self._stores_done = threading.Condition(self._mu)
@@ -185,6 +186,12 @@ class Entry:
         self._sums: dict[int, bytes] = {}  # digests of chunks rewritten whole
         self._hashers: dict[int, tuple[xxhash.xxh3_64, int]] = {}  # chunk -> (hash, bytes)
         self._behind = 0  # writeback started for [0, _behind) (see write)
+        # Writers the kernel serves from this file itself (FUSE passthrough): their
+        # writes never pass through `write`, so the length and checksums kept here
+        # are learned from the file (`_adopt`). `_external_seen`: there were such
+        # writers since the last adoption (guarded by `_io`).
+        self._external = 0
+        self._external_seen = False
         # Absent chunk -> bitmask of its PAGE-sized pages fetched by small random reads
         # (`store_pages`). Memory only: not checksummed, not persisted, not counted in
         # `cached`; gone at the last release or once the whole chunk is stored.
@@ -349,6 +356,124 @@ class Entry:
                         self._unpin(c, c)
             pos = seg_end
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def completeness(self) -> str:
+        """How whole the tier-1 copy of a clean, attached object is: "verified"
+        (every chunk present and checked by this process: the kernel may serve
+        the file itself, see read/modes.py), "complete" (every chunk present,
+        some not checked yet), or "partial" (also: written locally, detached)."""
+        with self._mu:
+            if self._state != CLEAN or self._detached or self._fd < 0:
+                return "partial"
+            if self._states.count(VERIFIED) == len(self._states):
+                return "verified"
+            return "partial" if ABSENT in self._states else "complete"
+
+    def backing_fd(self) -> int:
+        """The open fd of the cache file, to register as a passthrough backing
+        file (the kernel keeps its own reference: the entry may close it later)."""
+        with self._mu:
+            self._check_usable()
+            return self._fd
+
+    def pin_all(self) -> None:
+        """Keep every chunk, those the file grows by later included, from being
+        punched out (eviction, `Cache.evict`) until `unpin_all`: the kernel reads
+        and writes a passthrough file's backing file directly, and a hole there
+        would read as zeros, unchecked."""
+        with self._mu:
+            self._check_usable()
+            self._kernel += 1
+
+    def unpin_all(self, chunks: int = 0) -> None:
+        """Undo a `pin_all` (`chunks`: unused, kept for callers)."""
+        with self._mu:
+            self._kernel -= 1
+
+    def chunk_count(self) -> int:
+        with self._mu:
+            return len(self._states)
+
+    # -- writers served by the kernel (FUSE passthrough) --------------------------
+
+    def begin_external(self) -> int:
+        """A writer whose write(2)s the kernel applies to the cache file itself
+        (passthrough) begins: the fd to register as its backing file. The entry
+        must be written locally already (dirty or sealed: a write-back file).
+        Until `end_external`, every change, seal and digest first learns the
+        file's length from the file (and forgets running checksums). In-memory
+        only: callable from the trio loop."""
+        with self._mu:
+            self._check_usable()
+            if self._state == CLEAN or self._detached:
+                raise ValueError(f"{self.key!r} is {self.state}: not a local write")
+            self._external += 1
+            self._external_seen = True
+            return self._fd
+
+    def end_external(self) -> None:
+        """The writer's file is released (it writes no more): its last writes taken in."""
+        with self._io:
+            with self._mu:
+                self._external -= 1
+            self._adopt()
+
+    def undirty(self, etag: str) -> bool:
+        """Back to the clean object under `etag`, unchanged: a write session that made
+        a clean, verified object dirty to let the kernel write it, and wrote nothing.
+        True if every chunk still matches the checksum recorded for it (they are
+        kept while dirty, until a seal); False (still dirty) otherwise."""
+        with self._io:
+            with self._mu:
+                if self._state != DIRTY or self._detached or self.etag != etag:
+                    return False
+            self._adopt()
+            with self._mu:
+                n = len(self._states)
+            rec = self._cache.index.record(self._kh)
+            if (rec is None or rec.fid != self._fid or rec.size != self.size
+                    or len(self._cache.index.digests(self._fid, range(n))) != n):
+                return False
+            if self._bad_chunks(list(range(n))):
+                return False
+            with self._cache.index.write() as wt:
+                rec = self._record(wt)
+                wt.put(self._kh, rec, replace(rec, state=CLEAN))
+            self._cache.account(wt.used_delta)
+            with self._mu:
+                self._state = CLEAN
+                self._states[:] = bytes((VERIFIED,)) * n
+                self._pending = 0
+            self._sums.clear()
+            self._hashers.clear()
+            self._cache.index.sync()
+            return True
+
+    def adopt_external(self) -> os.stat_result:
+        """What the kernel wrote so far, taken in (length, checksums to recompute);
+        the cache file's fstat."""
+        with self._io:
+            return self._adopt()
+
+    def _adopt(self) -> os.stat_result:
+        """(caller holds `_io`) The cache file's length is the truth, if the kernel
+        wrote it: running checksums cannot vouch for its bytes any more."""
+        st = os.fstat(self._fd)
+        with self._mu:
+            if not self._external_seen:
+                return st
+            if not self._external:
+                self._external_seen = False  # this adoption takes in every external write
+        self._sums.clear()
+        self._hashers.clear()
+        if st.st_size != self.size:
+            grew = st.st_size > self.size
+            with self._mu:
+                self._resize(st.st_size)
+            if grew:
+                self._cache.make_room(None)
+        self._behind = min(self._behind, st.st_size & ~(PAGE - 1))
+        return st
 
     def present(self, start: int, end: int) -> bool:
         cs = self.chunk_size
@@ -611,6 +736,7 @@ class Entry:
             raise ValueError(f"write at negative offset {offset}")
         behind: tuple[int, int] | None = None  # a range to start writing back
         with self._dirty_io(self.size):
+            self._adopt()
             size = self.size
             grew = offset + len(mv) > size
             if mv:
@@ -650,6 +776,7 @@ class Entry:
         if size < 0:
             raise ValueError(f"truncate to negative size {size}")
         with self._dirty_io(min(size, self.size)):
+            self._adopt()
             grew = size > self.size
             os.ftruncate(self._fd, size)
             with self._mu:
@@ -809,6 +936,8 @@ class Entry:
                 return
             if self._state != DIRTY:
                 raise ValueError(f"{self.key!r} is {self.state}: only a dirty entry can be sealed")
+        self._adopt()
+        with self._mu:
             count = len(self._states)
         os.fsync(self._fd)
         digests = [self._sealed_digest(i) for i in range(count)]
@@ -865,7 +994,7 @@ class Entry:
                 if self._fd < 0 or self._detached or self._state != CLEAN:
                     return 0
                 picked, total = [], 0
-                for i in shed_order(self._states, *self._last):
+                for i in shed_order(self._states, *self._last) if not self._kernel else ():
                     if i not in self._pins:
                         picked.append(i)
                         total += self._chunk_len(i)
@@ -882,7 +1011,8 @@ class Entry:
                 if self._state != CLEAN or self._fd < 0:
                     return -1
                 picked = [
-                    i for i, s in enumerate(self._states) if s in _CHECKSUMMED and i not in self._pins
+                    i for i, s in enumerate(self._states)
+                    if s in _CHECKSUMMED and i not in self._pins and not self._kernel
                 ]
             return self._discard(picked)
 
@@ -896,7 +1026,8 @@ class Entry:
         with self._mu:
             picked = [
                 i for i in set(indexes)
-                if self._states[i] in _CHECKSUMMED and (pinned_too or i not in self._pins)
+                if self._states[i] in _CHECKSUMMED
+                and (pinned_too or (i not in self._pins and not self._kernel))
             ]
             if not picked:
                 return 0

@@ -52,7 +52,7 @@ class WriteBack:
             base_etag=etag or None, dirty=False)
         pf.sessions.add(session)
         self.journal.notify()
-        if flags & os.O_TRUNC and entry.size:
+        if flags & os.O_TRUNC:
             try:
                 await session.truncate(0)
             except BaseException:
@@ -77,7 +77,8 @@ class WriteBack:
                     self.journal.leave(pf, "dropped")
                 raise
             self.ctx.mark_written(pf)
-            pf.size, pf.mtime = 0, now
+            pf.size = 0
+            pf.written(attrs.mtime_ns)
         session = WriteSession(
             self.ctx, pf, entry, inode=inode, keep_cache=True,
             direct=settings.direct_writes and flags & os.O_ACCMODE == os.O_WRONLY,
@@ -92,7 +93,7 @@ class WriteBack:
         session = await self.open(key, etag, size, mtime, flags=os.O_WRONLY, inode=inode,
                                   attrs=attrs)
         try:
-            await session.truncate(to)
+            await session.truncate(to, always=False)
             await session.flush()
         finally:
             await session.release()
@@ -104,8 +105,7 @@ class WriteBack:
         cached bytes stay valid under the new ETag); a directory on its marker."""
         pf = self.journal.get(key)
         if pf is not None:
-            pf.attrs = attrs
-            pf.mtime = attrs.mtime_ns / 1e9
+            pf.set_attrs(attrs)
             if pf.local:
                 return None
         if key.endswith("/"):

@@ -14,6 +14,7 @@ truth (size, mtime), and shows in listings before it reaches the store.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import NamedTuple, Protocol
 
 import trio
@@ -25,6 +26,10 @@ class Writer(Protocol):
     """What the journal knows of a session writing a file (session.py)."""
 
     closed: bool  # close(2) reached the daemon (FLUSH): its RELEASE follows
+
+    def observe(self) -> None:
+        """A writer the kernel serves itself (passthrough): take the file's size
+        and mtime from the file (no-op for others)."""
 
 
 class Condition(NamedTuple):
@@ -40,9 +45,11 @@ class PendingFile:
     def __init__(self, key: str, size: int, mtime: float) -> None:
         self.key = key
         self.size = size
-        self.mtime = mtime
+        # The time of the last change of its bytes, in nanoseconds (stat and the
+        # stored `mtime` show it exactly: a float of seconds cannot hold them).
+        self.mtime_ns = round(mtime * 1e9)
         # POSIX attributes to store with the object (None: unknown, only the mtime
-        # is stored); their mtime is stale once `mtime` moved on (a later write).
+        # is stored); a write moves their mtime and ctime (`written`).
         self.attrs: Attrs | None = None
         self.local = False  # holds bytes the store does not have (written, not landed)
         self.sealed_at: float | None = None  # monotonic; set while journaled, upload due
@@ -64,6 +71,21 @@ class PendingFile:
         self.barrier: list[tuple[PendingFile, int]] | None = None
         self.condition: Condition | None = None
         self.record: str | None = None  # the id of its journaled barrier (publish.Records)
+
+    @property
+    def mtime(self) -> float:
+        return self.mtime_ns / 1e9
+
+    def written(self, now_ns: int | None = None) -> None:
+        """Its bytes (or size) changed now: mtime and ctime move (POSIX write, truncate)."""
+        self.mtime_ns = time.time_ns() if now_ns is None else now_ns
+        if self.attrs is not None:
+            self.attrs = replace(self.attrs, mtime_ns=self.mtime_ns, ctime_ns=self.mtime_ns)
+
+    def set_attrs(self, attrs: Attrs) -> None:
+        """chmod, chown, utimens of it: its attributes, their mtime its mtime."""
+        self.attrs = attrs
+        self.mtime_ns = attrs.mtime_ns
 
     @property
     def sealed(self) -> bool:
@@ -142,7 +164,11 @@ class Journal:
     def local_file(self, key: str) -> PendingFile | None:
         """The record of `key` if it holds bytes the store does not have."""
         pf = self.files.get(key)
-        return pf if pf is not None and pf.local else None
+        if pf is None or not pf.local:
+            return None
+        for s in pf.sessions:  # writes the daemon never saw show in stat
+            s.observe()
+        return pf
 
     def local_children(self, prefix: str) -> tuple[dict[str, PendingFile], set[str]]:
         """Local files directly under `prefix`, and sub-directories implied by deeper ones."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from tierfs.cache import Cache, Entry
 from tierfs.config import ClassSettings
 from tierfs.health import StoreHealth
 from tierfs.policy import Policy
+from tierfs.posix import Attrs
 from tierfs.read.streams import ReadState
 from tierfs.store.base import ObjectInfo, StoreError
 from tierfs.workers import Workers
@@ -170,10 +172,125 @@ class WriteSession:
         self.failed = False  # a close or fsync of it failed: nothing of it may land later
         self.state = ReadState()
         self._queue: WriteQueue | None = None  # a direct handle's acknowledged, unapplied writes
+        # FUSE passthrough (read/modes.py): the kernel writes the cache file itself and
+        # no WRITE reaches this session. The fd it writes; the file's (size, mtime,
+        # ctime) when this handle's bytes were last sealed (a change since means
+        # written); the (size, mtime) last shown by stat.
+        self.backing_fd: int | None = None
+        self._sealed_stat: tuple[int, int, int] | None = None
+        self._observed: tuple[int, int] | None = None
+        # A clean object made a local write at open (for the kernel to write it):
+        # the ETag and attributes it had. While nothing changes, nothing is sealed;
+        # at release it goes back to clean if its bytes still match their checksums.
+        self._pristine: tuple[str, Attrs | None] | None = None
 
     @property
     def settings(self) -> ClassSettings:
         return self._wb.policy.settings(self.pf.key)  # the class of its current name
+
+    # -- writes the kernel serves (FUSE passthrough) ---------------------------------------
+
+    @property
+    def passthrough(self) -> bool:
+        return self.backing_fd is not None
+
+    def may_pass_through(self) -> bool:
+        """Whether the kernel may write this file itself: its whole content is local
+        (created, truncated by O_TRUNC, a write-back file not uploaded yet, or a
+        clean object complete and verified in tier 1) and its class is write-back
+        (write-through and published classes act at close on what they saw
+        written)."""
+        entry = self.entry
+        local = entry.state != "clean" or entry.completeness() == "verified"
+        return (local and self.settings.write_mode == "writeback" and not self.pf.key.endswith("/")
+                and not entry.detached and not self.pf.unlinked and self._queue is None)
+
+    async def prepare_pass_through(self) -> None:
+        """Before the kernel may write the file: no upload may read it meanwhile, and
+        a clean object becomes a local write now (the daemon path does that at the
+        first write(2); the kernel's never reach the daemon)."""
+        pf = self.pf
+        await self._wb.uploader.stop(pf)
+        if self.entry.state != "clean":
+            return
+        async with pf.lock:
+            if self.entry.state != "clean" or self.dirty:
+                return
+            etag = self.entry.etag
+            await self._wb.workers.disk(self.entry.set_state, "dirty")
+            self._wb.mark_written(pf)
+            self.dirty = True
+            self._pristine = (etag, pf.attrs)
+
+    def begin_pass_through(self) -> int:
+        """The kernel writes this file from now on: the fd to register as backing file
+        (no I/O: callable on the trio loop between deciding and registering)."""
+        fd = self.entry.begin_external()
+        st = os.fstat(fd)
+        self.backing_fd = fd
+        self._sealed_stat = (None if self.dirty and self._pristine is None
+                             else (st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        self._observed = (st.st_size, st.st_mtime_ns)
+        return fd
+
+    async def end_pass_through(self) -> None:
+        """Registration failed, or the handle is released: the daemon's again."""
+        if self.backing_fd is not None:
+            self.backing_fd = None
+            await self._wb.workers.disk(self.entry.end_external)
+
+    def observe(self) -> None:
+        """stat of a file the kernel writes: its size and mtime from the file (an
+        fstat of an open fd: no disk I/O)."""
+        if self.backing_fd is None:
+            return
+        try:
+            st = os.fstat(self.backing_fd)
+        except OSError:
+            return
+        seen = (st.st_size, st.st_mtime_ns)
+        if seen != self._observed:
+            self._observed = seen
+            self.pf.size = st.st_size
+            self.pf.written(st.st_mtime_ns)
+
+    async def _take_external(self) -> None:
+        """(holding pf.lock) Whether the kernel wrote the file since this handle last
+        sealed it: then it is dirty, as if every byte had come by write()."""
+        if self.backing_fd is None:
+            return
+        self.observe()
+        st = os.fstat(self.backing_fd)
+        if (st.st_size, st.st_mtime_ns, st.st_ctime_ns) == self._sealed_stat:
+            return
+        self._pristine = None  # written: sealed and uploaded whole
+        if self.dirty:
+            return
+        if self.entry.state == "sealed":
+            await self._wb.workers.disk(self.entry.set_state, "dirty")
+        self._wb.mark_written(self.pf)
+        self.dirty = True
+
+    async def _restore(self, final: bool) -> bool:
+        """(holding pf.lock) A clean object made a local write at open, unwritten so
+        far: nothing to seal. At release (`final`) it goes back to the clean object
+        it was, with no upload, if it is the only writer, its attributes are as
+        they were and every byte still matches its recorded checksum (True)."""
+        if self._pristine is None:
+            return False
+        pf = self.pf
+        etag, attrs = self._pristine
+        if pf.attrs is not attrs or pf.unlinked:  # chmod, utimens...: they go up with it
+            self._pristine = None
+            return False
+        if not final:
+            return True
+        self._pristine = None
+        if len(pf.sessions) > 1 or not await self._wb.workers.disk(self.entry.undirty, etag):
+            return False
+        self.dirty = False
+        self._wb.journal.landed(pf)
+        return True
 
     async def read(self, off: int, size: int) -> bytes | memoryview:
         return await self._wb.read(self.entry, self.state, off, size, self.settings)
@@ -183,6 +300,7 @@ class WriteSession:
         async with pf.lock:
             if not self.dirty:
                 await self._begin_write()
+            self._pristine = None
             await self._wb.queued.drain_entry(self.entry, but=self._queue)  # others' first
             if self.direct:  # acknowledged now, applied in order in the background
                 if self._queue is None:
@@ -192,22 +310,34 @@ class WriteSession:
             else:
                 await self._wb.local_write(self.entry.write, off, buf)
                 pf.size = self.entry.size
-            pf.mtime = time.time()
+            pf.written()
             self._wb.streams.wrote(pf, off, len(buf), self.settings)
         return len(buf)
 
-    async def truncate(self, size: int) -> None:
+    async def truncate(self, size: int, *, always: bool = True) -> None:
+        """ftruncate, O_TRUNC (`always`: mtime and ctime move even when the size
+        stays); truncate(2) by path moves them only when the size changes (as
+        local filesystems do)."""
         pf = self.pf
         async with pf.lock:
             await self._settle()
+            if self.entry.state != "clean":  # what the kernel wrote (passthrough), if it did
+                await self._wb.workers.disk(self.entry.adopt_external)
+            if size == self.entry.size and not always:
+                return
             if not self.dirty:
                 await self._wb.uploader.stop(pf)
+            self._pristine = None
             await self._make_local(min(size, self.entry.size))
             await self._wb.local_write(self.entry.truncate, size)
             self._wb.streams.truncated(pf)
             self._wb.mark_written(pf)
             self.dirty = True
-            pf.size, pf.mtime = size, time.time()
+            pf.size = size
+            pf.written()
+            if self.backing_fd is not None:  # stat shows this truncate's time, not the file's
+                st = os.fstat(self.backing_fd)
+                self._observed = (st.st_size, st.st_mtime_ns)
 
     async def flush(self) -> None:
         """close(2): seal (and upload or publish) what this handle wrote."""
@@ -222,29 +352,34 @@ class WriteSession:
         """The last reference to the open file is gone (after close(2) returned)."""
         pf = self.pf
         try:
-            if self.dirty and not self.failed:
+            if (self.dirty or self.backing_fd is not None) and not self.failed:
                 # Written after its last close (a mapping kept past close), or a
                 # close that never came: seal it now, as its class says.
                 try:
-                    await self._seal()
+                    await self._seal(final=True)
                 except (OSError, StoreError, NotVerified) as exc:
                     self.failed = True
                     log.warning("%r: written after its last close and not saved: %s", pf.key, exc)
         finally:
-            pf.sessions.discard(self)
-            self._wb.journal.notify()
-            if self._queue is not None:
-                # Pages other opens cached may predate these writes. Newer kernels
-                # drop them in the direct write itself (6.18 does); older ones don't.
-                self._wb.invalidate(self.inode)
-            if not pf.sessions:
-                await self._wb.last_closed(pf, self.failed)
+            await self.end_pass_through()
+            # Under the file's lock: a rename re-keying it (core._move_local) stops its
+            # upload, then moves it; the hand-over of the last writer must not slip in
+            # between (an upload under the old name, landed as the new one's).
+            async with pf.lock:
+                pf.sessions.discard(self)
+                self._wb.journal.notify()
+                if self._queue is not None:
+                    # Pages other opens cached may predate these writes. Newer kernels
+                    # drop them in the direct write itself (6.18 does); older ones don't.
+                    self._wb.invalidate(self.inode)
+                if not pf.sessions:
+                    await self._wb.last_closed(pf, self.failed)
             await self._wb.release_entry(self.entry)
 
     # -- internals ------------------------------------------------------------------------
 
     async def _seal_reporting(self) -> None:
-        if not self.dirty:
+        if not self.dirty and self.backing_fd is None:
             return
         try:
             await self._seal()
@@ -252,18 +387,27 @@ class WriteSession:
             self.failed = True
             raise
 
-    async def _seal(self) -> None:
+    async def _seal(self, final: bool = False) -> None:
         pf = self.pf
         async with pf.lock:
             await self._settle()  # a file with a failed write is never sealed
-            if not self.dirty:
+            await self._take_external()
+            if not self.dirty or await self._restore(final):
                 return
             if pf.unlinked:  # lives on in its descriptors only: nothing to keep
                 self.dirty = False
                 return
             settings = self.settings
             mode = settings.write_mode
+            if self.backing_fd is not None:
+                # Taken before the seal reads the file: a write(2) after it moves the
+                # mtime or ctime (the stat marks the inode for fine-grained times) and
+                # the next flush seals again.
+                st = os.fstat(self.backing_fd)
+                before = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             await self._wb.seal_local(pf, self.entry)
+            if self.backing_fd is not None:
+                self._sealed_stat = before
             self.dirty = False
             if mode == "writeback":
                 return  # durable here; the upload follows the last release

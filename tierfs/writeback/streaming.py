@@ -52,10 +52,10 @@ MAX_PARTS = 10_000  # S3's limit on the parts of one upload
 TIMES = (ATIME, MTIME, CTIME)
 
 
-def stream_metadata(attrs: Attrs | None, mtime: float) -> dict[str, str]:
+def stream_metadata(attrs: Attrs | None, mtime_ns: int) -> dict[str, str]:
     """The user metadata an upload created before the seal carries: the file's
     attributes but its times (not known yet; the store's Last-Modified stands in)."""
-    return {k: v for k, v in upload_metadata(attrs, mtime).items() if k not in TIMES}
+    return {k: v for k, v in upload_metadata(attrs, mtime_ns).items() if k not in TIMES}
 
 
 def content_md5(data: memoryview) -> str:
@@ -84,7 +84,7 @@ class Track:
     how often each part was written, and its stream (if one was opened)."""
 
     high: int = 0
-    last_write: float = 0.0  # the file's mtime its last write set (a later utimens moves it)
+    last_write: int = 0  # the file's mtime its last write set (a later utimens moves it)
     versions: dict[int, int] = field(default_factory=dict)
     stream: Stream | None = None
 
@@ -169,7 +169,7 @@ class Streams:
         for i in range(off // self.part, (off + n - 1) // self.part + 1):
             t.versions[i] = t.versions.get(i, 0) + 1
         t.high = max(t.high, off + n)
-        t.last_write = pf.mtime
+        t.last_write = pf.mtime_ns
         s = t.stream
         if s is not None and s.key != pf.key:  # renamed while written: start over
             self.abandon(pf)
@@ -180,7 +180,7 @@ class Streams:
         if (self.enabled and settings.stream_parts and t.high >= 2 * self.part
                 and settings.write_mode == "writeback"
                 and settings.name != "staged" and not pf.key.endswith("/")):
-            s = t.stream = Stream(pf.key, self.part, stream_metadata(pf.attrs, pf.mtime))
+            s = t.stream = Stream(pf.key, self.part, stream_metadata(pf.attrs, pf.mtime_ns))
             self.nursery.start_soon(self._pump, pf, t, s)
 
     def truncated(self, pf: PendingFile) -> None:
@@ -216,7 +216,7 @@ class Streams:
         # An upload created before the seal stores no times: a file whose times were
         # set after its last write (cp -a, tar x) goes up the usual way.
         if (not usable or s.failed or s.upload_id is None or s.key != key or size <= s.part
-                or count > MAX_PARTS or attrs_meta != s.metadata or pf.mtime != t.last_write):
+                or count > MAX_PARTS or attrs_meta != s.metadata or pf.mtime_ns != t.last_write):
             s.failed = True
             await self._abort(s)
             return None

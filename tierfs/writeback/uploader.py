@@ -266,14 +266,14 @@ class Uploader:
         meta = {} if key.endswith("/") or digest is None else {
             DIGEST_META: digest,
             **upload_metadata(pf.attrs if pf is not None else attrs,
-                              pf.mtime if pf is not None else mtime or 0.0),
+                              pf.mtime_ns if pf is not None else round((mtime or 0.0) * 1e9)),
         }
         cond = Condition(if_match, if_none_match)
         if pf is not None:
             pf.uploaded = 0
         # Parts sent while the file was written (streaming.py) complete here.
         taken = None if pf is None else await self.streams.take(
-            pf, key, size, stream_metadata(pf.attrs, pf.mtime),
+            pf, key, size, stream_metadata(pf.attrs, pf.mtime_ns),
             usable=digest is not None and cond == (None, False))
         if taken is not None:
             assert pf is not None and digest is not None
