@@ -51,7 +51,9 @@ STREAM = "".join(f"[classes.{c}]\nstream_parts = true\n" for c in ("default", "c
 def streaming(tmp_path: Path) -> list[str]:
     cfg = tmp_path / "stream.toml"
     cfg.write_text(STREAM)
-    return ["--config", str(cfg)]
+    # Parts follow the writes the daemon sees: writes through FUSE passthrough go
+    # straight to tier 1 (the seal takes them), so these mounts keep the daemon path.
+    return ["--config", str(cfg), "--no-passthrough"]
 
 
 def flush(m) -> None:  # type: ignore[no-untyped-def]
