@@ -20,7 +20,6 @@ import errno
 import hashlib
 import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import Callable
@@ -33,6 +32,7 @@ import trio
 from tierfs.cache import Entry
 from tierfs.store.base import ObjectInfo, StoreError
 from tierfs.workers import Workers
+from tierfs.writeback import records
 from tierfs.writeback.barrier import Barrier, FlushOutcome
 from tierfs.writeback.journal import Condition, Journal, PendingFile
 from tierfs.writeback.quarantine import Conflicts
@@ -52,36 +52,15 @@ class Records:
         return self.root / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
     def save(self, key: str, rid: str, barrier: list[str], cond: Condition) -> None:
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        path = self._path(key)
-        tmp = path.with_suffix(".new")
-        body = json.dumps({"key": key, "id": rid, "barrier": barrier,
-                           "if_match": cond.if_match, "if_none_match": cond.if_none_match})
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, body.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        dfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        records.save(self._path(key), {"key": key, "id": rid, "barrier": barrier,
+                                       "if_match": cond.if_match,
+                                       "if_none_match": cond.if_none_match})
 
     def load(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
-        try:
-            names = [n for n in os.listdir(self.root) if n.endswith(".json")]
-        except FileNotFoundError:
-            return out
-        for name in names:
-            try:
-                rec = json.loads((self.root / name).read_text())
+        for rec in records.load(self.root, "publish"):
+            if isinstance(rec.get("key"), str):
                 out[rec["key"]] = rec
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.warning("unreadable publish record %s: %s", name, exc)
         return out
 
     def drop(self, key: str, rid: str | None = None) -> None:

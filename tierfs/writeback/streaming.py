@@ -27,9 +27,7 @@ import base64
 import contextlib
 import errno
 import hashlib
-import json
 import logging
-import os
 import weakref
 from dataclasses import dataclass, field
 from functools import partial
@@ -43,6 +41,7 @@ from tierfs.config import ClassSettings
 from tierfs.posix import ATIME, CTIME, MTIME, Attrs, upload_metadata
 from tierfs.store.base import Store, StoreError
 from tierfs.workers import Workers
+from tierfs.writeback import records
 from tierfs.writeback.journal import Journal, PendingFile
 from tierfs.writeback.queue import QueuedWrites
 
@@ -104,37 +103,15 @@ class Records:
         return self.root / f"{hashlib.sha256(upload_id.encode()).hexdigest()[:32]}.json"
 
     def save(self, key: str, upload_id: str) -> None:
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        path = self._path(upload_id)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, json.dumps({"key": key, "upload_id": upload_id}).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        dfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        records.save(self._path(upload_id), {"key": key, "upload_id": upload_id})
 
     def drop(self, upload_id: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self._path(upload_id).unlink()
 
     def load(self) -> list[tuple[str, str]]:
-        try:
-            names = sorted(n for n in os.listdir(self.root) if n.endswith(".json"))
-        except FileNotFoundError:
-            return []
-        out = []
-        for name in names:
-            try:
-                rec = json.loads((self.root / name).read_text())
-                out.append((str(rec["key"]), str(rec["upload_id"])))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.warning("unreadable stream record %s: %s", name, exc)
-        return out
+        return [(str(r["key"]), str(r["upload_id"])) for r in records.load(self.root, "stream")
+                if "key" in r and "upload_id" in r]
 
 
 class Streams:
