@@ -374,9 +374,11 @@ async def test_chunks_evicted_unread_turn_readahead_off_then_reads_go_through_me
 ) -> None:
     """Far less room in tier 1 than the reader was told (as when most of the cache
     is held by files being written): what is fetched ahead is evicted before it
-    is read. The reader notices, cuts readahead, then reads the object from the
-    store through memory: from then on every byte is fetched once, and every
-    read is right throughout."""
+    is read. The reader notices and cuts readahead (down to reading the object
+    from the store through memory if waste goes on): from then on every byte is
+    fetched about once (no eviction loop), and every read is right throughout.
+    How many cuts it takes depends on when the fetches land relative to the
+    reads (thread timing), so the test bounds the refetches, not the cuts."""
     small = Cache(tmp_path / "small", capacity=6 * CS, chunk_size=CS, min_free=0)
     small.bind("file:///src")
     data = os.urandom(256 * CS)
@@ -388,11 +390,14 @@ async def test_chunks_evicted_unread_turn_readahead_off_then_reads_go_through_me
             half = len(data) // 2
             for off in range(0, len(data), 2 * CS):
                 if off == half:
-                    assert r.wasted_bytes > 0 and r._uses[e].through  # noticed; stopped caching
+                    use = r._uses[e]
+                    assert r.wasted_bytes > 0 and use.cap <= r.ahead_max // 4  # noticed; cut
                     before = store.bytes_fetched
                 assert bytes(await r.read(e, st, off, 2 * CS, len(data))) == data[off : off + 2 * CS]
             n.cancel_scope.cancel()
-        assert store.bytes_fetched - before <= half + 2 * CS  # once each (plus one unit ahead)
+        # Once each, plus what at most two more cuts can refetch (readahead of 4
+        # chunks, then 1) and the readahead past the end: never a loop.
+        assert store.bytes_fetched - before <= half + 12 * CS
     finally:
         small.release(e)
         small.close()
