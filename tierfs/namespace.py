@@ -570,10 +570,11 @@ class Namespace:
 
     def untyped(self, node: Node) -> bool:
         """Whether `node` may be a symlink or FIFO this mount cannot tell from a regular
-        file yet (a small object of unknown attributes, in a class that asks)."""
+        file yet (a small object of unknown attributes, in a class that asks, listed
+        with an ETag that tierfs's typed objects have: Store.may_be_typed)."""
         return (node.attrs is None and not node.is_dir and bool(node.etag)
                 and node.size <= SYMLINK_MAX and node.settings.type_small_objects
-                and not self.health.degraded)
+                and self.store.may_be_typed(node.etag) and not self.health.degraded)
 
     async def _listed_dir(self, parent: Node, name: str, path: str) -> Node | None:
         """`path` as a directory whose own listing is fresh (listed by this mount or

@@ -141,6 +141,20 @@ def upload_metadata(attrs: Attrs | None, mtime_ns: int) -> dict[str, str]:
     return to_metadata(attrs.written_at(mtime_ns))
 
 
+def listing_misleads(metadata: Mapping[str, str]) -> bool:
+    """Whether an object stored with `metadata` must say in listings that a HEAD
+    would tell more (Store.put_typed; it matters for objects of at most
+    SYMLINK_MAX bytes, the ones a listing's reader may type): a listing carries
+    no metadata, so another node types it by the defaults. Worth a HEAD there:
+    a kind other than a regular file, and permission bits other than 0644
+    (`chmod +x script`, a 0600 key file). Owners and times of plain files are
+    left to the defaults and store times, as for larger files, until a read or
+    a revalidation teaches them."""
+    mode = parse_mode(metadata.get(MODE, ""))
+    return mode is not None and (stat.S_IFMT(mode) not in (0, stat.S_IFREG)
+                                 or stat.S_IMODE(mode) != 0o644)
+
+
 def has_attrs(metadata: Mapping[str, str]) -> bool:
     """Whether `metadata` says anything of POSIX attributes."""
     return any(name in metadata for name in (*NAMES, LEGACY_MTIME))

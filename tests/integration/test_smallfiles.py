@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -249,3 +250,28 @@ def test_parallel_walkers_each_get_their_files_fetched_ahead(
     # Four walkers alone keep at most 4 GETs in flight; fetched ahead, more.
     assert slow_gets.peak_inflight("get") > 4
     assert m.metric(GET_BYTES) == sum(map(len, objs.values()))  # each object once
+
+
+def test_ls_l_of_small_objects_heads_only_the_typed_ones(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer
+) -> None:
+    """`ls -l` of a default-class directory of small objects another tool wrote: no
+    HEAD per object (a listing carries no metadata, but a symlink or FIFO tierfs
+    wrote says in its ETag that it may be one); those it made are typed on a
+    node that never saw them made."""
+    objs = seed(s3_server, bucket, 60, 1 * KiB, prefix="mixed")
+    writer = mount_factory(f"s3://{bucket}")
+    os.symlink("img-0001.jpg", writer.mountpoint / "mixed/latest")
+    os.mkfifo(writer.mountpoint / "mixed/pipe")
+    reader = mount_factory(f"s3://{bucket}")  # another node: an empty cache of its own
+    before = requests(reader)
+    d = reader.mountpoint / "mixed"
+    st = {n: os.lstat(d / n) for n in os.listdir(d)}  # what `ls -l` does
+    after = requests(reader)
+    # (the listing HEADs the two; the symlink's lookup in the default class may
+    # revalidate it once more: none is paid per regular object)
+    assert 2 <= after[HEADS] - before[HEADS] <= 3, after[HEADS] - before[HEADS]
+    assert os.readlink(d / "latest") == "img-0001.jpg" and stat.S_ISLNK(st["latest"].st_mode)
+    assert stat.S_ISFIFO(st["pipe"].st_mode)
+    assert all(stat.S_ISREG(st[n].st_mode) and st[n].st_size == len(v) for n, v in objs.items())
+    assert (d / "latest").read_bytes() == objs["img-0001.jpg"]

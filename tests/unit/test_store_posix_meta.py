@@ -88,3 +88,29 @@ def test_markers_take_metadata(store: S3Store | LocalStore) -> None:
     assert info.metadata == {"mode": str(0o40700)}
     if isinstance(store, LocalStore):  # xattrs on the directory; SeaweedFS 4.48 drops them
         assert store.head("d/").metadata == {"mode": str(0o40700)}
+
+
+@pytest.mark.parametrize("body", [b"../target/of/a/link", b""])  # a symlink; a FIFO
+def test_typed_objects_show_in_listings_and_stay_typed_across_copies(
+    store: S3Store | LocalStore, body: bytes
+) -> None:
+    """ListObjectsV2 carries no user metadata: a symlink made by tierfs must say in
+    the listing itself that a HEAD would tell more (S3: a one-part multipart
+    ETag), through chmod/utimens (replace_metadata) and rename (copy); a plain
+    PUT, as any other tool makes, is a regular file with no HEAD to pay."""
+    link = {**META, "mode": str(0o120777)}
+    info = store.put_typed("d/link", body, metadata=link)
+    assert info.metadata == link and info.size == len(body)
+    store.put_bytes("d/plain", b"small regular file", metadata=META)
+    listed = {o.key: o for o in store.list_dir("d/").files}
+    assert listed["d/link"].etag == info.etag and store.may_be_typed(info.etag)
+    if isinstance(store, S3Store):
+        assert not store.may_be_typed(listed["d/plain"].etag)
+    changed = store.replace_metadata("d/link", {"mtime": "1.5"}, etag=info.etag)
+    moved = store.copy("d/link", "d/moved")
+    for key, meta in (("d/link", {**link, "mtime": "1.5"}), ("d/moved", {**link, "mtime": "1.5"})):
+        head = store.head(key)
+        assert head.metadata == meta and store.may_be_typed(head.etag)
+        assert store.get_range(key, 0, 100) == body
+    assert store.head("d/link").etag == changed.etag
+    assert store.head("d/moved").etag == moved.etag

@@ -136,6 +136,24 @@ class Store(Protocol):
         if_none_match: bool = False,
     ) -> ObjectInfo: ...
 
+    def put_typed(
+        self,
+        key: str,
+        data: bytes | memoryview,
+        *,
+        metadata: dict[str, str],
+        if_match: str | None = None,
+        if_none_match: bool = False,
+    ) -> ObjectInfo:
+        """As put_bytes, for an object whose metadata a listing would mislead about
+        (a symlink, FIFO, socket, an executable: posix.listing_misleads), stored
+        so that a listing shows it may be typed: see may_be_typed."""
+
+    def may_be_typed(self, etag: str) -> bool:
+        """Whether an object listed with `etag` may be typed by metadata the listing
+        does not carry (a HEAD tells). False: a regular file as far as any tierfs
+        wrote it, and `ls -l` of a directory of small objects costs no HEADs."""
+
     def create_upload(self, key: str, *, metadata: dict[str, str] | None = None) -> str:
         """Start a multipart upload of `key`; its upload id."""
 
@@ -173,14 +191,18 @@ class Store(Protocol):
         """Whether the store enforces If-Match / If-None-Match: * on writes."""
 
     def copy(self, src: str, dst: str, *, metadata: dict[str, str] | None = None) -> ObjectInfo:
-        """Server-side copy (multipart copy above 5 GiB) with the source's user
-        metadata, or with `metadata` in its place."""
+        """Server-side copy (multipart copy above 5 GiB, and of a source that may be
+        typed: the copy may be too) with the source's user metadata, or with
+        `metadata` in its place."""
 
-    def replace_metadata(self, key: str, update: dict[str, str], *, etag: str) -> ObjectInfo:
+    def replace_metadata(
+        self, key: str, update: dict[str, str], *, etag: str, typed: bool = False
+    ) -> ObjectInfo:
         """`update` over the user metadata of the object at version `etag`, its bytes
         untouched (S3: CopyObject onto itself, metadata REPLACE). A new ETag, except
         where the store changes metadata in place. StoreError(kind='precondition')
-        if the object is no longer that version."""
+        if the object is no longer that version. `typed`: the new version is one
+        listings show as maybe typed (as put_typed's)."""
 
     def delete(self, key: str) -> None:
         """Delete; deleting a missing key is not an error."""

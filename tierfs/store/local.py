@@ -465,6 +465,22 @@ class LocalStore:
             nbytes[0] = len(data)
             return self._publish(key, fill, metadata or {}, if_match, if_none_match)
 
+    def put_typed(
+        self,
+        key: str,
+        data: bytes | memoryview,
+        *,
+        metadata: dict[str, str],
+        if_match: str | None = None,
+        if_none_match: bool = False,
+    ) -> ObjectInfo:
+        return self.put_bytes(key, data, metadata=metadata, if_match=if_match,
+                              if_none_match=if_none_match)
+
+    def may_be_typed(self, etag: str) -> bool:
+        """Always: a listing here carries no xattrs, and a HEAD is one getxattr."""
+        return True
+
     def create_upload(self, key: str, *, metadata: dict[str, str] | None = None) -> str:
         if key.endswith("/"):
             raise _invalid(f"put '{key}': a key ending in '/' is a directory marker")
@@ -578,9 +594,12 @@ class LocalStore:
             finally:
                 os.close(fd)
 
-    def replace_metadata(self, key: str, update: dict[str, str], *, etag: str) -> ObjectInfo:
+    def replace_metadata(
+        self, key: str, update: dict[str, str], *, etag: str, typed: bool = False
+    ) -> ObjectInfo:
         """`update` over the object's user metadata (xattrs, in place: the bytes and
-        the ETag stay), if the object is still the version `etag` names."""
+        the ETag stay), if the object is still the version `etag` names. (`typed`:
+        every object here may be: see may_be_typed.)"""
         with self._op("copy", key), self._locked():
             fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
             try:

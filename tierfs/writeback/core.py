@@ -10,7 +10,7 @@ from dataclasses import asdict
 from functools import partial
 
 from tierfs.config import FLUSH_STALL
-from tierfs.posix import Attrs, Known, to_metadata
+from tierfs.posix import Attrs, Known, listing_misleads, to_metadata
 from tierfs.store.base import UNREACHABLE_KINDS, ObjectInfo, Store, StoreError
 from tierfs.writeback.barrier import Barrier, FlushOutcome, Progress
 from tierfs.writeback.journal import Condition, PendingFile
@@ -113,8 +113,10 @@ class WriteBack:
                 self.store.put_bytes, key, b"", metadata=to_metadata(attrs)))
         if not etag:  # open for writing, nothing written yet, never stored: the journal has it
             return None
+        meta = to_metadata(attrs)
         info = await self.workers.meta(partial(
-            self.store.replace_metadata, key, to_metadata(attrs), etag=etag))
+            self.store.replace_metadata, key, meta, etag=etag,
+            typed=listing_misleads(meta)))
         if info.etag != etag:
             await self.workers.disk(self._reetag_cached, key, info)
         return info
@@ -127,7 +129,7 @@ class WriteBack:
             await self._supersede(pf)
         await self.workers.disk(self.cache.remove, key)
         return await self.workers.meta(partial(
-            self.store.put_bytes, key, body, metadata=to_metadata(attrs)))
+            self.store.put_typed, key, body, metadata=to_metadata(attrs)))
 
     # -- namespace changes that reach the store ----------------------------------------------
 

@@ -35,7 +35,7 @@ from tierfs.budget import BufferPool
 from tierfs.cache import Cache, Entry
 from tierfs.config import UPLOAD_RETRY_CAP, UPLOAD_VERIFY_ATTEMPTS
 from tierfs.health import StoreHealth
-from tierfs.posix import Attrs, upload_metadata
+from tierfs.posix import SYMLINK_MAX, Attrs, listing_misleads, upload_metadata
 from tierfs.store.base import PERMANENT_KINDS, ObjectInfo, Store, StoreError, part_size_for
 from tierfs.workers import Workers
 from tierfs.writeback.journal import Condition, Journal, PendingFile
@@ -306,16 +306,19 @@ class Uploader:
         self, pf: PendingFile | None, entry: Entry, key: str, size: int,
         meta: dict[str, str], cond: Condition,
     ) -> None:
+        # (a small executable or private file: listings must show it may be typed)
+        put = (self.store.put_typed if size <= SYMLINK_MAX and listing_misleads(meta)
+               else self.store.put_bytes)
         if not size:
             await self.workers.upload(partial(
-                self.store.put_bytes, key, b"", metadata=meta, if_match=cond.if_match,
+                put, key, b"", metadata=meta, if_match=cond.if_match,
                 if_none_match=cond.if_none_match))
             return
         buf = await self.parts.take(size)
         try:
             await self._read(entry, 0, buf)
             await self.workers.upload(partial(
-                self.store.put_bytes, key, buf, metadata=meta, if_match=cond.if_match,
+                put, key, buf, metadata=meta, if_match=cond.if_match,
                 if_none_match=cond.if_none_match))
         finally:
             self.parts.give(buf)
