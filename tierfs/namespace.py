@@ -862,10 +862,15 @@ class Namespace:
             return
         parent_path, _, name = key.rpartition("/")
         parent_inode = self._by_path.get(parent_path)
-        if parent_inode is None or not valid_name(name):
-            return
-        parent = self._nodes[parent_inode]
-        if parent.is_dir and parent.children is not None:
+        parent = None if parent_inode is None else self._nodes[parent_inode]
+        if parent is not None and parent.is_dir and parent.children is not None and valid_name(name):
             node = self._apply_info(self._node_for(key, False), info, time.monotonic(),
                                     headed=has_attrs(info.metadata))
             parent.children[name] = node.inode
+        elif has_attrs(info.metadata):
+            # No node shows it yet (a directory rename's copy of a file below it that
+            # this mount never looked up): kept for the listing that will show it,
+            # which a small object's plain ETag would otherwise leave at the defaults.
+            attrs = from_metadata(info.metadata, is_dir=False, defaults=self.defaults,
+                                  store_mtime_ns=int(info.mtime * 1e9))
+            self._remember[key] = Known(info.etag, 0, attrs, None).pack()

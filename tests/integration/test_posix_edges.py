@@ -147,3 +147,26 @@ def test_fstat_after_unlink_shows_no_links(
             os.unlink(p)
             assert os.fstat(f.fileno()).st_nlink == 0
             assert f.read() == b"x" * 100
+
+
+def test_a_directory_renamed_unlooked_keeps_its_files_times_across_a_remount(
+    mount_factory: MountFactory, bucket: str
+) -> None:
+    """A directory rename copies every object below it; the files this mount never
+    looked up since its start keep the times stored with them (a listing shows a
+    small plain object with the defaults: the store's time of the copy)."""
+    m = mount_factory(f"s3://{bucket}")
+    (m.mountpoint / "x/y").mkdir(parents=True)
+    f = m.mountpoint / "x/y/f"
+    f.write_bytes(b"small")
+    os.utime(f, ns=(1_600_000_000_123_456_789, 1_500_000_000_987_654_321))
+    flush(m)
+    m.umount()
+    m = mount_factory(f"s3://{bucket}", cache_dir=m.cache_dir)
+    os.rename(m.mountpoint / "x", m.mountpoint / "z")  # y and f: never looked up here
+    flush(m)
+    m.umount()
+    m = mount_factory(f"s3://{bucket}", cache_dir=m.cache_dir)
+    st = os.stat(m.mountpoint / "z/y/f")
+    assert (st.st_atime_ns, st.st_mtime_ns) == (1_600_000_000_123_456_789, 1_500_000_000_987_654_321)
+    assert (m.mountpoint / "z/y/f").read_bytes() == b"small"
