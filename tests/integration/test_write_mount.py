@@ -250,6 +250,39 @@ def test_kill9_after_close_then_remount_and_flush(
     assert obj(s3_server, bucket, "ckpt/step-1/model.pt") == payload
 
 
+def test_close_without_fsync_survives_kill9_and_damaged_bytes_are_never_uploaded(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
+) -> None:
+    """close(2) of a write-back file seals it (checksums and journal record) without
+    fsyncing its bytes, as on a local disk: a daemon crash loses nothing (the
+    kernel keeps the pages). A machine crash can take bytes never fsynced; this
+    test cannot crash the machine, so it damages the tier-1 copy while no daemon
+    runs, as such a crash would leave it: the next mount finds the mismatch with
+    the seal's checksums, quarantines the file, uploads nothing of it, and flush
+    names it and fails."""
+    cfg = tmp_path / "slow.toml"  # nothing goes up before the kill
+    cfg.write_text("[classes.default]\nupload_delay = 600\n")
+    cache = tmp_path / "cache-nofsync"
+    m = mount_factory(f"s3://{bucket}", "--config", str(cfg), cache_dir=cache)
+    kept, lost = os.urandom(3 * MiB + 5), os.urandom(9 * MiB)
+    (m.mountpoint / "kept.bin").write_bytes(kept)
+    (m.mountpoint / "lost.bin").write_bytes(lost)
+    m.kill9()
+    files = sorted((cache / "objects").iterdir(), key=lambda p: p.stat().st_size)
+    assert [f.stat().st_size for f in files][-2:] == [len(kept), len(lost)]
+    with open(files[-1], "r+b") as f:  # a page the kernel never wrote back
+        f.seek(5 * MiB)
+        f.write(bytes(4096))
+    m2 = mount_factory(f"s3://{bucket}", "--config", str(cfg), cache_dir=cache,
+                       mountpoint=m.mountpoint)
+    res = run_tierfs("flush", str(m2.mountpoint), env=m2.env, timeout=300)
+    assert res.returncode != 0 and "lost.bin" in res.stderr, (res.returncode, res.stderr)
+    assert obj(s3_server, bucket, "kept.bin") == kept
+    assert "lost.bin" not in keys(s3_server, bucket)
+    notes = m2.status()["quarantined"]["files"]
+    assert [(n["key"], n["kind"]) for n in notes] == [("lost.bin", "damaged")]
+
+
 def test_kill9_mid_upload_then_remount_and_flush(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
 ) -> None:

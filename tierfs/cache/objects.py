@@ -185,6 +185,7 @@ class Entry:
         # Guarded by `_io`: running checksums of a dirty entry's chunks.
         self._sums: dict[int, bytes] = {}  # digests of chunks rewritten whole
         self._hashers: dict[int, tuple[xxhash.xxh3_64, int]] = {}  # chunk -> (hash, bytes)
+        self._synced = False  # the sealed bytes are fsynced (by this process)
         self._behind = 0  # writeback started for [0, _behind) (see write)
         # Writers the kernel serves from this file itself (FUSE passthrough): their
         # writes never pass through `write`, so the length and checksums kept here
@@ -800,11 +801,14 @@ class Entry:
         finally:
             self._io.release()
 
-    def set_state(self, state: str, *, etag: str | None = None, mtime: float | None = None) -> None:
+    def set_state(self, state: str, *, etag: str | None = None, mtime: float | None = None,
+                  durable: bool = True) -> None:
         """Write-back lifecycle, persisted in the index:
         "dirty": being written (write/truncate do this themselves);
-        "sealed": closed or fsynced: the file is fsynced, chunk checksums are
-        recorded and the index is synced, so it survives a crash; upload pending;
+        "sealed": closed or fsynced: chunk checksums are recorded and the index is
+        synced, so it survives a daemon crash; with `durable`, the file is fsynced
+        too, so it survives a machine crash (without: as a closed, never fsynced
+        file on any local disk; its checksums find what a crash took); upload pending;
         "clean": uploaded: an ordinary cached object again, under the store's `etag`.
         Dirty and sealed objects are never evicted. A detached entry (removed while
         open) takes no state: it has no record any more."""
@@ -819,7 +823,7 @@ class Entry:
             if self._detached:
                 raise ValueError(f"{self.key!r} was removed from the cache")
             if code == SEALED:
-                self._seal()
+                self._seal(durable)
             elif self._state == DIRTY:
                 raise ValueError(f"{self.key!r} is dirty: seal it before marking it clean")
             if code == CLEAN or etag is not None or mtime is not None:
@@ -928,18 +932,22 @@ class Entry:
             self._pending += delta
             self._cache.account(delta)
 
-    def _seal(self) -> None:
-        """(caller holds `_io`) fsync, checksums and the sealed record, with `_mu`
-        free meanwhile: readers of this file keep being served."""
+    def _seal(self, durable: bool) -> None:
+        """(caller holds `_io`) fsync (if `durable`), checksums and the sealed record,
+        with `_mu` free meanwhile: readers of this file keep being served."""
         with self._mu:
             if self._state == SEALED:
+                if durable:
+                    self._sync_data()
                 return
             if self._state != DIRTY:
                 raise ValueError(f"{self.key!r} is {self.state}: only a dirty entry can be sealed")
         self._adopt()
         with self._mu:
             count = len(self._states)
-        os.fsync(self._fd)
+        self._synced = False
+        if durable:
+            self._sync_data()
         digests = [self._sealed_digest(i) for i in range(count)]
         with self._cache.index.write() as wt:
             rec = self._record(wt)
@@ -953,6 +961,12 @@ class Entry:
             self._states[:] = bytes((VERIFIED,)) * len(self._states)
         self._sums.clear()
         self._hashers.clear()
+
+    def _sync_data(self) -> None:
+        """fsync the file, once per sealed version (a close sealed it without one)."""
+        if not self._synced:
+            os.fsync(self._fd)
+            self._synced = True
 
     def content_digest(self) -> str:
         """xxh3-128 over the per-chunk xxh3-64 digests of a sealed object: a whole-object

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 REFUSED = "refused"
 CONFLICT = "conflict"  # a background publish lost its race (publish.py keeps the bytes)
-FAILED_KINDS = frozenset({REFUSED, CONFLICT})  # what flush and umount report as failures
+DAMAGED = "damaged"  # its tier-1 bytes no longer match the checksums taken at its seal
+FAILED_KINDS = frozenset({REFUSED, CONFLICT, DAMAGED})  # what flush and umount report as failures
 COPY_PIECE = 1 << 20  # bytes per write when a kept file goes back into the cache
 
 

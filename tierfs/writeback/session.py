@@ -23,6 +23,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from tierfs.cache import Cache, Entry
@@ -89,13 +90,19 @@ class WriteContext:
         pf.through_failed = False
         self.journal.notify()
 
-    async def seal_local(self, pf: PendingFile, entry: Entry) -> None:
-        """Durable here: the file fsynced, its checksums and sealed record in the index."""
-        await self.workers.disk(entry.set_state, "sealed")
+    async def seal_local(self, pf: PendingFile, entry: Entry, *, durable: bool = True) -> None:
+        """Kept here: its checksums and sealed record in the index (a daemon crash
+        loses nothing); `durable`: the file fsynced too (a machine crash neither)."""
+        await self.workers.disk(partial(entry.set_state, "sealed", durable=durable))
         pf.sealed_at = time.monotonic()
         pf.local = True
         pf.size = entry.size
         self.journal.notify()
+
+    async def sync_sealed(self, entry: Entry) -> None:
+        """An fsync(2) of a file a close sealed without fsyncing its bytes."""
+        if entry.state == "sealed":
+            await self.workers.disk(partial(entry.set_state, "sealed", durable=True))
 
     async def land_now(self, pf: PendingFile, entry: Entry) -> None:
         """A write-through close: upload now; the close fails if the store does not
@@ -340,13 +347,18 @@ class WriteSession:
                 self._observed = (st.st_size, st.st_mtime_ns)
 
     async def flush(self) -> None:
-        """close(2): seal (and upload or publish) what this handle wrote."""
+        """close(2): seal (and upload or publish) what this handle wrote. A write-back
+        file's bytes are not fsynced by it, as close(2) on a local disk does not:
+        safetensors and webdataset close without fsync and must not pay one (an
+        fsync of 1 GiB costs more than writing it to the page cache)."""
         self.closed = True
         self._wb.journal.notify()
-        await self._seal_reporting()
+        await self._seal_reporting(durable=self.settings.write_mode != "writeback")
 
     async def fsync(self) -> None:
-        await self._seal_reporting()
+        """fsync(2): seal with the bytes fsynced, also those an earlier close sealed."""
+        await self._seal_reporting(durable=True)
+        await self._wb.sync_sealed(self.entry)
 
     async def release(self) -> None:
         """The last reference to the open file is gone (after close(2) returned)."""
@@ -378,16 +390,16 @@ class WriteSession:
 
     # -- internals ------------------------------------------------------------------------
 
-    async def _seal_reporting(self) -> None:
+    async def _seal_reporting(self, *, durable: bool) -> None:
         if not self.dirty and self.backing_fd is None:
             return
         try:
-            await self._seal()
+            await self._seal(durable=durable)
         except BaseException:
             self.failed = True
             raise
 
-    async def _seal(self, final: bool = False) -> None:
+    async def _seal(self, final: bool = False, *, durable: bool = False) -> None:
         pf = self.pf
         async with pf.lock:
             await self._settle()  # a file with a failed write is never sealed
@@ -405,7 +417,7 @@ class WriteSession:
                 # the next flush seals again.
                 st = os.fstat(self.backing_fd)
                 before = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-            await self._wb.seal_local(pf, self.entry)
+            await self._wb.seal_local(pf, self.entry, durable=durable)
             if self.backing_fd is not None:
                 self._sealed_stat = before
             self.dirty = False

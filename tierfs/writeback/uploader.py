@@ -32,14 +32,14 @@ from functools import partial
 import trio
 
 from tierfs.budget import BufferPool
-from tierfs.cache import Cache, Entry
+from tierfs.cache import Cache, ChunkCorrupt, Entry
 from tierfs.config import UPLOAD_RETRY_CAP, UPLOAD_VERIFY_ATTEMPTS
 from tierfs.health import StoreHealth
 from tierfs.posix import SYMLINK_MAX, Attrs, listing_misleads, upload_metadata
 from tierfs.store.base import PERMANENT_KINDS, ObjectInfo, Store, StoreError, part_size_for
 from tierfs.workers import Workers
 from tierfs.writeback.journal import Condition, Journal, PendingFile
-from tierfs.writeback.quarantine import REFUSED, Quarantine
+from tierfs.writeback.quarantine import DAMAGED, REFUSED, Quarantine
 from tierfs.writeback.streaming import Stream, Streams, Track, stream_metadata
 
 log = logging.getLogger(__name__)
@@ -192,6 +192,13 @@ class Uploader:
                     if unverified >= UPLOAD_VERIFY_ATTEMPTS:
                         await self.refuse(pf, f"{exc} ({unverified} attempts)")
                         return
+                except ChunkCorrupt as exc:
+                    # Bytes a close sealed (checksums taken, no fsync) that a machine
+                    # crash took before the kernel wrote them back, or a damaged
+                    # disk: never uploaded as they are now.
+                    await self.refuse(pf, f"the local copy no longer matches what was written "
+                                          f"({exc}); never fsynced before a crash?", DAMAGED)
+                    return
                 except OSError as exc:  # reading the local copy failed
                     pf.error = f"reading the local copy: {exc}"
                 finally:
@@ -229,12 +236,14 @@ class Uploader:
             pf.upload.cancel()
             await pf.upload_ended.wait()
 
-    async def refuse(self, pf: PendingFile, reason: str) -> None:
-        """The store will never take the file as it is: keep it aside, report it."""
-        log.error("upload of %r refused by the store: %s; quarantined, not retried", pf.key, reason)
+    async def refuse(self, pf: PendingFile, reason: str, kind: str = REFUSED) -> None:
+        """The store will never take the file as it is (or its local copy is damaged:
+        `kind`): keep it aside, report it."""
+        why = "refused by the store" if kind == REFUSED else "not uploaded"
+        log.error("upload of %r %s: %s; quarantined, not retried", pf.key, why, reason)
         pf.error = reason
         self.streams.abandon(pf)
-        await self.workers.disk(self.quarantine.keep, pf.key, REFUSED, reason)
+        await self.workers.disk(self.quarantine.keep, pf.key, kind, reason)
         self.on_dropped(pf.key)
         self.observe("quarantined", 1)
         self.journal.leave(pf, "refused")
