@@ -779,7 +779,10 @@ class Entry:
         with self._dirty_io(min(size, self.size)):
             self._adopt()
             grew = size > self.size
-            os.ftruncate(self._fd, size)
+            # (an empty file is left alone: an ftruncate to 0 makes ext4 write the
+            # file out at its last close; see Cache._create)
+            if size or os.fstat(self._fd).st_size:
+                os.ftruncate(self._fd, size)
             with self._mu:
                 self._resize(size)
             self._behind = min(self._behind, size & ~(PAGE - 1))
