@@ -212,8 +212,7 @@ class TierFS(pyfuse3.Operations):
         node = self.ns.get(inode)
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
-        if node.settings.revalidate_on_open:
-            await self.ns.revalidate(node)
+        await self.ns.opening(node)
         h: ReadHandle | WriteSession
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC):
             h, opened = await self.modes.writable(node.inode, functools.partial(

@@ -650,6 +650,21 @@ class Namespace:
         await self.revalidate(node)
         return node
 
+    async def opening(self, node: Node) -> None:
+        """What an open asks the store first: a revalidating class, the current
+        version; an empty object of unknown attributes, in a class that types
+        small objects, its attributes: a read of it fetches nothing, so no GET's
+        headers teach them as they do for other objects (a HEAD, once)."""
+        if node.settings.revalidate_on_open:
+            await self.revalidate(node)
+        elif (node.size == 0 and node.attrs is None and bool(node.etag) and not node.is_dir
+              and node.settings.type_small_objects and not self.health.degraded):
+            with contextlib.suppress(OSError, StoreError):
+                info = await self._head(node.key)
+                if info is not None:
+                    self.learn(node.key, info.etag, info.metadata)
+                    await self.remember()
+
     async def revalidate(self, node: Node, *, remember: bool = True) -> None:
         """HEAD a file and take what the store says; ENOENT if it is gone.
         A file written on this node and not yet uploaded is its own truth; a HEAD

@@ -170,3 +170,20 @@ def test_a_directory_renamed_unlooked_keeps_its_files_times_across_a_remount(
     st = os.stat(m.mountpoint / "z/y/f")
     assert (st.st_atime_ns, st.st_mtime_ns) == (1_600_000_000_123_456_789, 1_500_000_000_987_654_321)
     assert (m.mountpoint / "z/y/f").read_bytes() == b"small"
+
+
+def test_another_node_learns_an_empty_files_times_at_its_first_open(
+    mount_factory: MountFactory, bucket: str
+) -> None:
+    """Another node learns a plain file's attributes from its first GET's headers;
+    an empty file's read fetches nothing, so its first open asks by HEAD."""
+    writer = mount_factory(f"s3://{bucket}")
+    f = writer.mountpoint / "empty"
+    f.touch()
+    os.utime(f, ns=(1_600_000_000_000_000_001, 1_500_000_000_000_000_001))
+    flush(writer)
+    reader = mount_factory(f"s3://{bucket}")  # an empty cache of its own
+    assert os.stat(reader.mountpoint / "empty").st_size == 0
+    assert (reader.mountpoint / "empty").read_bytes() == b""
+    st = os.stat(reader.mountpoint / "empty")
+    assert (st.st_atime_ns, st.st_mtime_ns) == (1_600_000_000_000_000_001, 1_500_000_000_000_000_001)
