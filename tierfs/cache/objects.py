@@ -965,6 +965,13 @@ class Entry:
         self._sums.clear()
         self._hashers.clear()
 
+    def sync(self) -> None:
+        """fsync(2) of a file whose bytes a close sealed without one; whatever its
+        state by now (its upload may have made it clean meanwhile)."""
+        with self._io:
+            self._check_usable()
+            self._sync_data()
+
     def _sync_data(self) -> None:
         """fsync the file, once per sealed version (a close sealed it without one)."""
         if not self._synced:

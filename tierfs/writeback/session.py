@@ -101,8 +101,8 @@ class WriteContext:
 
     async def sync_sealed(self, entry: Entry) -> None:
         """An fsync(2) of a file a close sealed without fsyncing its bytes."""
-        if entry.state == "sealed":
-            await self.workers.disk(partial(entry.set_state, "sealed", durable=True))
+        if entry.state != "dirty":
+            await self.workers.disk(entry.sync)
 
     async def land_now(self, pf: PendingFile, entry: Entry) -> None:
         """A write-through close: upload now; the close fails if the store does not
