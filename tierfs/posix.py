@@ -143,7 +143,7 @@ def upload_metadata(attrs: Attrs | None, mtime_ns: int) -> dict[str, str]:
 
 def listing_misleads(metadata: Mapping[str, str]) -> bool:
     """Whether an object stored with `metadata` must say in listings that a HEAD
-    would tell more (Store.put_typed; it matters for objects of at most
+    would tell more (Store.put_bytes typed=True; it matters for objects of at most
     SYMLINK_MAX bytes, the ones a listing's reader may type): a listing carries
     no metadata, so another node types it by the defaults. Worth a HEAD there:
     a kind other than a regular file, and permission bits other than 0644

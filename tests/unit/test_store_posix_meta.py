@@ -99,7 +99,7 @@ def test_typed_objects_show_in_listings_and_stay_typed_across_copies(
     ETag), through chmod/utimens (replace_metadata) and rename (copy); a plain
     PUT, as any other tool makes, is a regular file with no HEAD to pay."""
     link = {**META, "mode": str(0o120777)}
-    info = store.put_typed("d/link", body, metadata=link)
+    info = store.put_bytes("d/link", body, metadata=link, typed=True)
     assert info.metadata == link and info.size == len(body)
     store.put_bytes("d/plain", b"small regular file", metadata=META)
     listed = {o.key: o for o in store.list_dir("d/").files}

@@ -134,20 +134,11 @@ class Store(Protocol):
         metadata: dict[str, str] | None = None,
         if_match: str | None = None,
         if_none_match: bool = False,
-    ) -> ObjectInfo: ...
-
-    def put_typed(
-        self,
-        key: str,
-        data: bytes | memoryview,
-        *,
-        metadata: dict[str, str],
-        if_match: str | None = None,
-        if_none_match: bool = False,
+        typed: bool = False,
     ) -> ObjectInfo:
-        """As put_bytes, for an object whose metadata a listing would mislead about
-        (a symlink, FIFO, socket, an executable: posix.listing_misleads), stored
-        so that a listing shows it may be typed: see may_be_typed."""
+        """Store `data` under `key`. `typed`: an object whose metadata a listing would
+        mislead about (a symlink, FIFO, socket, an executable: posix.listing_misleads),
+        stored so that a listing shows it may be typed: see may_be_typed."""
 
     def may_be_typed(self, etag: str) -> bool:
         """Whether an object listed with `etag` may be typed by metadata the listing
@@ -202,7 +193,7 @@ class Store(Protocol):
         untouched (S3: CopyObject onto itself, metadata REPLACE). A new ETag, except
         where the store changes metadata in place. StoreError(kind='precondition')
         if the object is no longer that version. `typed`: the new version is one
-        listings show as maybe typed (as put_typed's)."""
+        listings show as maybe typed (as put_bytes's)."""
 
     def delete(self, key: str) -> None:
         """Delete; deleting a missing key is not an error."""

@@ -450,6 +450,7 @@ class LocalStore:
         metadata: dict[str, str] | None = None,
         if_match: str | None = None,
         if_none_match: bool = False,
+        typed: bool = False,  # (every object here may be: see may_be_typed)
     ) -> ObjectInfo:
         with self._op("put", key) as nbytes:
             if key.endswith("/"):
@@ -464,18 +465,6 @@ class LocalStore:
 
             nbytes[0] = len(data)
             return self._publish(key, fill, metadata or {}, if_match, if_none_match)
-
-    def put_typed(
-        self,
-        key: str,
-        data: bytes | memoryview,
-        *,
-        metadata: dict[str, str],
-        if_match: str | None = None,
-        if_none_match: bool = False,
-    ) -> ObjectInfo:
-        return self.put_bytes(key, data, metadata=metadata, if_match=if_match,
-                              if_none_match=if_none_match)
 
     def may_be_typed(self, etag: str) -> bool:
         """Always: a listing here carries no xattrs, and a HEAD is one getxattr."""

@@ -593,7 +593,10 @@ class S3Store:
         metadata: dict[str, str] | None = None,
         if_match: str | None = None,
         if_none_match: bool = False,
+        typed: bool = False,
     ) -> ObjectInfo:
+        if typed:
+            return self._put_typed(key, data, metadata or {}, if_match, if_none_match)
         kwargs = {
             "Bucket": self.bucket,
             "Key": self._full(key),
@@ -605,14 +608,9 @@ class S3Store:
             key, len(data), _strip_etag(resp["ETag"]), self._response_time(resp), _lower(metadata)
         )
 
-    def put_typed(
-        self,
-        key: str,
-        data: bytes | memoryview,
-        *,
-        metadata: dict[str, str],
-        if_match: str | None = None,
-        if_none_match: bool = False,
+    def _put_typed(
+        self, key: str, data: bytes | memoryview, metadata: dict[str, str],
+        if_match: str | None, if_none_match: bool,
     ) -> ObjectInfo:
         """A one-part multipart upload: its ETag ('<md5>-1') is what a listing shows
         of it (ListObjectsV2 carries no user metadata). Three requests, for objects
@@ -628,7 +626,7 @@ class S3Store:
         return replace(info, metadata=_lower(metadata))
 
     def may_be_typed(self, etag: str) -> bool:
-        """Only a multipart ETag: put_typed makes one, and a copy keeps it one."""
+        """Only a multipart ETag: a typed put makes one, and a copy keeps it one."""
         return "-" in etag
 
     def create_upload(self, key: str, *, metadata: dict[str, str] | None = None) -> str:
@@ -782,8 +780,9 @@ class S3Store:
         source = {"Bucket": self.bucket, "Key": self._full(info.key)}
         full = self._full(dst)
         meta = dict(info.metadata) if metadata is None else _lower(metadata)
-        typed = info.size <= TYPED_MAX and (typed or self.may_be_typed(info.etag))
-        if info.size <= self.multipart_copy_threshold and not typed:
+        as_multipart = info.size > self.multipart_copy_threshold or (
+            info.size <= TYPED_MAX and (typed or self.may_be_typed(info.etag)))
+        if not as_multipart:
             extra: dict[str, Any] = {}
             if metadata is not None:
                 extra = {"MetadataDirective": "REPLACE", "Metadata": metadata}

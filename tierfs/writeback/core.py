@@ -128,8 +128,9 @@ class WriteBack:
         if pf is not None:
             await self._supersede(pf)
         await self.workers.disk(self.cache.remove, key)
+        meta = to_metadata(attrs)
         return await self.workers.meta(partial(
-            self.store.put_typed, key, body, metadata=to_metadata(attrs)))
+            self.store.put_bytes, key, body, metadata=meta, typed=listing_misleads(meta)))
 
     # -- namespace changes that reach the store ----------------------------------------------
 

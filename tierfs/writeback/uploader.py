@@ -316,19 +316,16 @@ class Uploader:
         meta: dict[str, str], cond: Condition,
     ) -> None:
         # (a small executable or private file: listings must show it may be typed)
-        put = (self.store.put_typed if size <= SYMLINK_MAX and listing_misleads(meta)
-               else self.store.put_bytes)
+        put = partial(self.store.put_bytes, metadata=meta, if_match=cond.if_match,
+                      if_none_match=cond.if_none_match,
+                      typed=size <= SYMLINK_MAX and listing_misleads(meta))
         if not size:
-            await self.workers.upload(partial(
-                put, key, b"", metadata=meta, if_match=cond.if_match,
-                if_none_match=cond.if_none_match))
+            await self.workers.upload(partial(put, key, b""))
             return
         buf = await self.parts.take(size)
         try:
             await self._read(entry, 0, buf)
-            await self.workers.upload(partial(
-                put, key, buf, metadata=meta, if_match=cond.if_match,
-                if_none_match=cond.if_none_match))
+            await self.workers.upload(partial(put, key, buf))
         finally:
             self.parts.give(buf)
         self._acknowledged(pf, size)
