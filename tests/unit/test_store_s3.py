@@ -380,3 +380,227 @@ def test_truncated_body_is_resumed(via_proxy, proxy: FaultProxy, recorder: Recor
     assert [e.fault for e in gets] == ["503", "truncate", "none"]
     assert [e.range for e in gets] == ["bytes=10-49", "bytes=10-49", "bytes=30-49"]
     assert recorder.outcomes("get") == ["retry", "retry", "ok"]
+
+
+# -- the lean GET path (S3Store._get without boto3's get_object) ---------------------
+
+
+def _boto3_gets(store: S3Store) -> list[str]:
+    """The GetObject requests boto3 sends for `store` from now on (lean GETs send none)."""
+    sent: list[str] = []
+    store._client.meta.events.register(
+        "before-send.s3.GetObject", lambda request, **_: sent.append(request.url)
+    )
+    return sent
+
+
+@pytest.fixture
+def boto3_store(s3_env: dict[str, str], bucket: str) -> S3Store:
+    """The same source as `store`, its GETs through boto3's get_object."""
+    s = open_store(f"s3://{bucket}/src", part_size=5 * MiB, observer=Recorder())
+    assert isinstance(s, S3Store)
+    s._lean = None
+    return s
+
+
+def _failure(s: S3Store, key: str, start: int, length: int, etag: str | None = None) -> tuple:
+    with pytest.raises(StoreError) as ei:
+        s.get_range(key, start, length, etag=etag)
+    e = ei.value
+    cause = e.__cause__
+    code = cause.response["Error"]["Code"] if hasattr(cause, "response") else None
+    return e.kind, e.errno, str(e).split(" (gave up")[0], type(cause).__name__, code
+
+
+ODD_KEYS = [
+    "a b", "plus+sign", "pct%41%", "q?x=1&y=2", "hash#frag", "é/ü ñ/日本語", "tilde~",
+    "star*(p)'!", "semi;colon,comma", "dollar$at@", "brackets[]{}", " lead and trail ",
+    "dir/ /x", "back\\slash", 'quo"te', "pipe|caret^`", "a//b", "line\nbreak", "tab\tx",
+]
+
+
+def test_lean_get_reads_odd_keys_byte_identical(store: S3Store, boto3_store: S3Store) -> None:
+    assert store._lean is not None and store._lean.path.endswith(f"/{store.bucket}/")
+    sent = _boto3_gets(store)
+    accepted = []
+    for key in ODD_KEYS:
+        data = os.urandom(3000) + key.encode()
+        try:
+            store.put_bytes(key, data)
+        except StoreError as exc:  # SeaweedFS refuses a few names; that must map cleanly
+            assert exc.kind == "invalid", (key, exc)
+            continue
+        accepted.append(key)
+        buf = bytearray(len(data))
+        assert store.get_range_into(key, 0, len(data), memoryview(buf)) == len(data)
+        assert bytes(buf) == data, key
+        part = bytearray(100)
+        assert store.get_range_into(key, 7, 100, memoryview(part)) == 100
+        assert bytes(part) == data[7:107]
+        assert boto3_store.get_range(key, 0, len(data)) == data
+    assert len(accepted) >= len(ODD_KEYS) - 3, accepted
+    assert sent == []  # every GET above was a lean one
+
+
+def test_lean_get_errors_are_classified_as_boto3s(
+    store: S3Store, boto3_store: S3Store, recorder: Recorder, s3_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sent = _boto3_gets(store)
+    info = store.put_bytes("obj", b"x" * 100)
+    missing = _failure(store, "missing", 0, 10)
+    assert missing == _failure(boto3_store, "missing", 0, 10)
+    assert missing[:2] == ("not_found", errno.ENOENT) and missing[3:] == ("NoSuchKey", "NoSuchKey")
+    stale = _failure(store, "obj", 0, 10, etag="0" * 32)  # If-Match a wrong ETag: 412
+    assert stale == _failure(boto3_store, "obj", 0, 10, etag="0" * 32)
+    assert stale[:2] == ("changed", errno.ESTALE) and stale[4] == "PreconditionFailed"
+    assert store.get_range("obj", 0, 10, etag=info.etag) == b"x" * 10
+    # One request each, none redone through boto3.
+    assert recorder.outcomes("get") == ["not_found", "changed", "ok"] and sent == []
+
+    nobucket = open_store("s3://no-such-bucket-tierfs")
+    plain = open_store("s3://no-such-bucket-tierfs")
+    assert isinstance(nobucket, S3Store) and isinstance(plain, S3Store)
+    plain._lean = None
+    assert _failure(nobucket, "k", 0, 1) == _failure(plain, "k", 0, 1)
+    assert _failure(nobucket, "k", 0, 1)[:2] == ("no_bucket", errno.ENOENT)
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-xyzzy")
+    bad = open_store(store.url)
+    badplain = open_store(store.url)
+    assert isinstance(bad, S3Store) and isinstance(badplain, S3Store)
+    badplain._lean = None
+    denied = _failure(bad, "obj", 0, 10)
+    assert denied == _failure(badplain, "obj", 0, 10)
+    assert denied[:2] == ("access_denied", errno.EACCES) and "xyzzy" not in denied[2]
+
+
+def test_lean_get_metadata_reaches_on_metadata(store: S3Store, boto3_store: S3Store) -> None:
+    meta = {"Class": "checkpoint", "owner": "Me", "x-y": "1"}
+    info = store.put_bytes("m", b"abc" * 100, metadata=meta)
+    store.put_bytes("plain", b"abc")
+    seen: dict[str, list] = {"lean": [], "boto3": []}
+    store.on_metadata = lambda *a: seen["lean"].append(a)
+    boto3_store.on_metadata = lambda *a: seen["boto3"].append(a)
+    for s in (store, boto3_store):
+        assert s.get_range("m", 5, 10) == (b"abc" * 100)[5:15]
+        assert s.get_range("plain", 0, 10) == b"abc"  # no user metadata: not called
+    assert seen["lean"] == seen["boto3"]
+    assert seen["lean"] == [("m", info.etag, {"class": "checkpoint", "owner": "Me", "x-y": "1"})]
+
+
+def test_lean_get_past_eof_and_empty(
+    store: S3Store, boto3_store: S3Store, recorder: Recorder
+) -> None:
+    sent = _boto3_gets(store)
+    data = os.urandom(1000)
+    store.put_bytes("obj", data)
+    store.put_bytes("empty", b"")
+    for s in (store, boto3_store):
+        assert s.get_range("obj", 1000, 10) == b""  # starts at EOF: 416
+        assert s.get_range("obj", 5000, 10) == b""
+        assert s.get_range("obj", 990, 100) == data[990:]  # clipped at EOF
+        assert s.get_range("empty", 0, 4096) == b""
+        buf = bytearray(10)
+        assert s.get_range_into("obj", 2000, 10, memoryview(buf)) == 0
+    assert recorder.outcomes("get") == ["ok"] * 5 and sent == []
+
+
+def test_lean_get_session_token_is_signed(
+    store: S3Store, boto3_store: S3Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SeaweedFS (static identities) refuses any session token: both paths send one
+    and get the same answer; the lean GET signs X-Amz-Security-Token."""
+    store.put_bytes("obj", b"x")
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "tok-123")
+    lean = open_store(store.url)
+    plain = open_store(store.url)
+    assert isinstance(lean, S3Store) and isinstance(plain, S3Store) and lean._lean is not None
+    plain._lean = None
+    sent: list[dict[str, str]] = []
+    pool = lean._lean.pool
+    urlopen = pool.urlopen
+    monkeypatch.setattr(
+        pool, "urlopen", lambda *a, **kw: sent.append(kw["headers"]) or urlopen(*a, **kw)
+    )
+    failure = _failure(lean, "obj", 0, 1)
+    assert failure == _failure(plain, "obj", 0, 1) and failure[0] == "access_denied"
+    assert sent[0]["X-Amz-Security-Token"] == "tok-123"
+    assert "x-amz-security-token" in sent[0]["Authorization"]
+    assert sent[0]["X-Amz-Content-SHA256"] == "UNSIGNED-PAYLOAD"
+
+
+def test_lean_get_unreachable_as_boto3(s3_env: dict[str, str]) -> None:
+    url = f"http://127.0.0.1:{_free_port()}"
+    lean = S3Store("b", endpoint_url=url, deadline=0.5, connect_timeout=0.2)
+    plain = S3Store("b", endpoint_url=url, deadline=0.5, connect_timeout=0.2)
+    assert lean._lean is not None
+    plain._lean = None
+    failure = _failure(lean, "k", 0, 1)
+    assert failure == _failure(plain, "k", 0, 1)
+    assert failure[:2] == ("unreachable", errno.EIO) and "connection refused" in failure[2]
+
+
+def test_lean_get_reuses_connections_and_is_thread_safe(store: S3Store) -> None:
+    data = os.urandom(300_000)
+    store.put_bytes("big", data)
+    for i in range(20):
+        assert store.get_range("big", i * 1000, 5000) == data[i * 1000 : i * 1000 + 5000]
+    assert store._lean is not None and store._lean.pool.num_connections == 1
+
+    def one(i: int) -> bool:
+        off = (i * 7919) % len(data)
+        return store.get_range("big", off, 65536) == data[off : off + 65536]
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(one, range(200)))
+
+
+def test_lean_get_encoded_body_as_boto3(
+    store: S3Store, boto3_store: S3Store, s3_server: SeaweedServer, bucket: str
+) -> None:
+    """A Content-Encoding body takes urllib3's readinto: the stored bytes, undecoded, as boto3."""
+    import gzip
+
+    raw = gzip.compress(os.urandom(2000) * 3)
+    s3_server.client().put_object(Bucket=bucket, Key="src/gz", Body=raw, ContentEncoding="gzip")
+    assert store.get_range("gz", 0, len(raw)) == raw == boto3_store.get_range("gz", 0, len(raw))
+    assert store.get_range("gz", 10, 20) == raw[10:30]
+
+
+def test_lean_get_redirect_is_redone_by_boto3(
+    store: S3Store, monkeypatch: pytest.MonkeyPatch, recorder: Recorder
+) -> None:
+    """A 301 (S3's answer in the wrong region) goes to boto3, which follows redirects;
+    once that worked, the store's GETs stay with boto3."""
+    import urllib3
+
+    store.put_bytes("obj", b"hello")
+    sent = _boto3_gets(store)
+    moved = urllib3.HTTPResponse(body=b"<Error><Code>PermanentRedirect</Code></Error>", status=301,
+                                 headers={"Content-Type": "application/xml"}, preload_content=False)
+    monkeypatch.setattr(store, "_lean_send", lambda *a: moved)
+    assert store.get_range("obj", 0, 5) == b"hello"
+    assert store._lean is None and len(sent) == 1 and recorder.outcomes("get") == ["ok"]
+
+
+def test_lean_path_off_behind_a_proxy_and_tls_setup(
+    s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import urllib3
+
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    assert S3Store("b", endpoint_url="http://s3.example.test")._lean is None
+    monkeypatch.setenv("NO_PROXY", "s3.example.test")
+    assert S3Store("b", endpoint_url="http://s3.example.test")._lean is not None
+    monkeypatch.delenv("HTTP_PROXY")
+
+    bundle = tmp_path / "ca.pem"
+    bundle.write_text("")
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(bundle))
+    lean = S3Store("b", endpoint_url="https://s3.example.test:9443/base")._lean
+    assert lean is not None and isinstance(lean.pool, urllib3.HTTPSConnectionPool)
+    assert (lean.origin, lean.path) == ("https://s3.example.test:9443", "/base/b/")
+    assert lean.pool.ca_certs == str(bundle) and lean.pool.cert_reqs == "CERT_REQUIRED"

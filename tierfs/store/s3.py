@@ -11,6 +11,11 @@ complete: 412 when the condition fails). A conditional multipart upload only
 checks the condition at completion, after all parts are sent. As with any S3
 client, a conditional PUT retried after a lost response can see its own write
 and report a spurious precondition failure.
+
+GETs of byte ranges skip boto3's request machinery where they can: a "lean" GET
+signed by botocore's SigV4 signer and sent by the store's own urllib3 pool, with
+every answer and failure mapped as boto3's would be (S3Store._plan_lean says
+where it is used, S3Store._get how).
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ import errno
 import http.client
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime
 from email.utils import parsedate_to_datetime
 from functools import partial
@@ -31,23 +37,36 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import boto3
+import urllib3
+import urllib3.exceptions as u3
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest, HeadersDict
 from botocore.client import BaseClient
 from botocore.config import Config
+from botocore.credentials import Credentials
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
     ConnectionClosedError,
     ConnectTimeoutError,
     EndpointConnectionError,
+    HTTPClientError,
     IncompleteReadError,
     NoCredentialsError,
+    ProxyConnectionError,
     ReadTimeoutError,
     ResponseStreamingError,
 )
 from botocore.exceptions import (
     ConnectionError as BotoConnectionError,
 )
+from botocore.exceptions import (
+    SSLError as BotoSSLError,
+)
+from botocore.httpsession import ProxyConfiguration, create_urllib3_context, get_cert_path
+from botocore.parsers import create_parser
 from botocore.response import StreamingBody
+from botocore.utils import get_environ_proxies, percent_encode
 
 from tierfs.config import (
     CONNECT_TIMEOUT,
@@ -183,6 +202,68 @@ def _cap_read_timeout(read_timeout: float, context: dict[str, Any], **_: Any) ->
         context["read_timeout"] = max(0.05, min(read_timeout, left))
 
 
+# -- the lean GET path (S3Store._get) ------------------------------------------------
+
+# Key of the dry-run GetObject (never sent) that shows the URL boto3 would use: odd
+# on purpose, so that the quoting of keys is checked too.
+_PROBE_KEY = "tierfs probe/é +%?#~!*'()[]&=;,$@"
+_LEAN_HEADERS = frozenset({"range", "if-match", "user-agent"})  # all boto3 signs for a GET
+# Answers a lean GET leaves to boto3 (redone there): S3's wrong-region redirects (3xx,
+# 400 AuthorizationHeaderMalformed), which the botocore client follows by itself.
+_REDO_STATUSES = frozenset({301, 302, 307, 400})
+_META_PREFIX = "x-amz-meta-"
+
+
+class _DryRun(Exception):
+    """Stops the dry-run GetObject of `S3Store._plan_lean` before it is signed."""
+
+
+@dataclass(frozen=True)
+class _Lean:
+    """What a lean GET needs, fixed when the store is made (`S3Store._plan_lean`)."""
+
+    origin: str  # scheme://host[:port]
+    path: str  # the bucket's path, ending in '/': the request target is this + quoted key
+    region: str  # signing region
+    credentials: Credentials | None  # the client's own (refreshable) credentials
+    config: Config  # the client's: its s3 options make the signer send UNSIGNED-PAYLOAD
+    pool: urllib3.HTTPConnectionPool
+    timeout: urllib3.Timeout  # connect and read timeouts, both capped by the store deadline
+    read_timeout: float  # as configured: a request in an operation gets min(this, time left)
+
+
+def _metadata(headers: Any) -> dict[str, str]:
+    """User metadata from x-amz-meta-* headers, as botocore parses them: the name
+    after the prefix as the server spelled it, repeated headers joined by ', '."""
+    cut = len(_META_PREFIX)
+    return {name[cut:]: headers[name] for name in headers if name.lower().startswith(_META_PREFIX)}
+
+
+def _need(etag: str | None) -> str:
+    if etag is None:  # as boto3's response dict without one: resp["ETag"]
+        raise KeyError("ETag")
+    return etag
+
+
+def _as_botocore(exc: u3.HTTPError, endpoint: str) -> Exception:
+    """The botocore exception the botocore client raises for this urllib3 one (as
+    botocore.httpsession.URLLib3Session.send and StreamingBody wrap them), so that
+    a lean GET's failure is classified exactly as the same failure under boto3."""
+    if isinstance(exc, u3.SSLError):
+        return BotoSSLError(endpoint_url=endpoint, error=exc)
+    if isinstance(exc, u3.NewConnectionError):  # (a subclass of ConnectTimeoutError)
+        return EndpointConnectionError(endpoint_url=endpoint, error=exc)
+    if isinstance(exc, u3.ProxyError):
+        return ProxyConnectionError(proxy_url="proxy", error=exc)
+    if isinstance(exc, u3.ConnectTimeoutError):
+        return ConnectTimeoutError(endpoint_url=endpoint, error=exc)
+    if isinstance(exc, u3.ReadTimeoutError):
+        return ReadTimeoutError(endpoint_url=endpoint, error=exc)
+    if isinstance(exc, u3.ProtocolError):
+        return ConnectionClosedError(endpoint_url=endpoint, error=exc, request=None)
+    return HTTPClientError(error=exc)
+
+
 class S3Store:
     """`Store` over one bucket and key prefix of an S3-compatible service."""
 
@@ -241,6 +322,7 @@ class S3Store:
         self.identity = f"s3|{self.endpoint}|{bucket}|{prefix}"
         self._conditional: bool | None = None
         self._probe_lock = threading.Lock()
+        self._lean: _Lean | None = self._plan_lean(connect_timeout, read_timeout)
 
     def _make_client(self, connect_timeout: float, read_timeout: float) -> BaseClient:
         config = Config(
@@ -267,6 +349,161 @@ class S3Store:
             client = self._session.client("s3", endpoint_url=self._endpoint_arg, config=config)
         client.meta.events.register("before-call.s3", partial(_cap_read_timeout, read_timeout))
         return client
+
+    def _plan_lean(self, connect_timeout: float, read_timeout: float) -> _Lean | None:
+        """The lean GET path of this store, or None where GETs go through boto3.
+
+        A dry-run GetObject (stopped at botocore's before-sign event: nothing is
+        signed or sent) shows what the client would send. The lean path is used
+        only where that is a plain SigV4 ('s3v4') GET of
+        `<endpoint>/<bucket>/<percent_encode(key, safe='/~')>` (path-style, no
+        query) over http or https, signing nothing but Range, If-Match and the
+        user agent, and where no proxy applies to the endpoint (HTTP(S)_PROXY /
+        NO_PROXY as botocore reads them; the store sets no proxy or client
+        certificate config). Anything else (an access point, another signer,
+        a dry run that fails, e.g. on an invalid bucket name) keeps boto3.
+        """
+        client = self._client
+        config = client.meta.config
+        if config.proxies or config.proxies_config or config.client_cert:
+            return None
+        seen: dict[str, Any] = {}
+
+        def grab(request: AWSRequest, signing_name: str, region_name: str,
+                 signature_version: str, **_: Any) -> None:
+            signing = request.context.get("signing", {})
+            seen.update(
+                url=request.url,
+                headers={k.lower() for k in request.headers},
+                version=signature_version,
+                name=signing.get("signing_name") or signing_name,
+                region=signing.get("region") or region_name,
+            )
+            raise _DryRun
+
+        probe = self.prefix + _PROBE_KEY
+        event, uid = "before-sign.s3.GetObject", f"tierfs-lean-{id(self)}"
+        client.meta.events.register(event, grab, unique_id=uid)
+        try:
+            client.get_object(Bucket=self.bucket, Key=probe, Range="bytes=0-0", IfMatch='"0"')
+        except _DryRun:
+            pass
+        except Exception as exc:
+            log.debug("GETs through boto3: the dry run failed (%s)", type(exc).__name__)
+            return None
+        finally:
+            client.meta.events.unregister(event, unique_id=uid)
+        url: str = seen["url"]
+        quoted = percent_encode(probe, safe="/~")
+        parts = urlsplit(url)
+        if (
+            seen["version"] != "s3v4"
+            or seen["name"] != "s3"
+            or not seen["headers"] <= _LEAN_HEADERS
+            or parts.scheme not in ("http", "https")
+            or "@" in parts.netloc
+            or parts.query
+            or parts.fragment
+            or not url.endswith(f"/{self.bucket}/{quoted}")
+            # The proxy botocore's http session picks: from the environment
+            # (HTTP(S)_PROXY, NO_PROXY) for the endpoint, read when the client was made.
+            or ProxyConfiguration(get_environ_proxies(client.meta.endpoint_url)).proxy_url_for(url)
+        ):
+            log.debug("GETs through boto3 (%s %s)", seen["version"], sorted(seen["headers"]))
+            return None
+        origin = f"{parts.scheme}://{parts.netloc}"
+        timeout = urllib3.Timeout(
+            connect=min(connect_timeout, self.deadline), read=min(read_timeout, self.deadline)
+        )
+        # As botocore.args / botocore.httpsession set up the client's pool.
+        options = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+        if config.tcp_keepalive:
+            options.append((socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1))
+        tls: dict[str, Any] = {}
+        if parts.scheme == "https":
+            # The verify value session.client() gives botocore: ca_bundle (AWS_CA_BUNDLE
+            # or the profile's), else REQUESTS_CA_BUNDLE, else botocore's own bundle.
+            with self._session_lock:
+                verify = self._session._session.get_config_variable("ca_bundle")
+            if verify is None:
+                verify = os.environ.get("REQUESTS_CA_BUNDLE", True)
+            tls = {
+                "ssl_context": create_urllib3_context(),
+                "cert_reqs": "CERT_REQUIRED",
+                "ca_certs": get_cert_path(verify),
+            }
+        pool = urllib3.connection_from_url(
+            origin,
+            maxsize=self.max_connections,
+            block=False,
+            timeout=timeout,
+            retries=False,
+            socket_options=options,
+            **tls,
+        )
+        with self._session_lock:  # the object the client signs with: refreshed in place
+            credentials = self._session.get_credentials()
+        return _Lean(
+            origin=origin,
+            path=url[len(origin) : len(url) - len(quoted)],
+            region=seen["region"],
+            credentials=credentials,
+            config=config,
+            pool=pool,
+            timeout=timeout,
+            read_timeout=read_timeout,
+        )
+
+    def _lean_send(
+        self, lean: _Lean, full: str, headers: dict[str, str]
+    ) -> urllib3.BaseHTTPResponse:
+        """One signed GET of `full` with `headers`, its response's body unread."""
+        if lean.credentials is None:
+            raise NoCredentialsError()
+        path = lean.path + percent_encode(full, safe="/~")
+        request = AWSRequest(method="GET", url=lean.origin + path, headers=headers)
+        request.context["client_config"] = lean.config
+        S3SigV4Auth(lean.credentials.get_frozen_credentials(), "s3", lean.region).add_auth(request)
+        timeout = lean.timeout
+        left = time_left()
+        if left is not None:  # as _cap_read_timeout does for boto3's requests
+            read = max(0.05, min(lean.read_timeout, left))
+            timeout = urllib3.Timeout(connect=timeout.connect_timeout, read=read)
+        try:
+            return lean.pool.urlopen(
+                "GET",
+                path,
+                headers=dict(request.headers.items()),
+                retries=False,
+                redirect=False,
+                assert_same_host=False,
+                preload_content=False,
+                decode_content=False,
+                enforce_content_length=False,
+                timeout=timeout,
+            )
+        except u3.HTTPError as exc:  # raised as the botocore client would raise it
+            raise _as_botocore(exc, lean.origin + path) from exc
+        except Exception as exc:
+            raise HTTPClientError(error=exc) from exc
+
+    def _get_error(self, status: int, headers: Any, body: bytes) -> ClientError:
+        """The ClientError the botocore client raises for this GetObject answer:
+        botocore's own parser and exception classes, not a copy of them."""
+        model = self._client.meta.service_model
+        parsed = create_parser(model.protocol).parse(
+            {
+                "status_code": status,
+                "headers": HeadersDict(headers),
+                "body": body,
+                "context": {"operation_name": "GetObject"},
+            },
+            model.operation_model("GetObject").output_shape,
+        )
+        error = parsed.get("Error", {})
+        code = error.get("QueryErrorCode") or error.get("Code")
+        cls: type[ClientError] = self._client.exceptions.from_code(code)
+        return cls(parsed, "GetObject")
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -313,6 +550,9 @@ class S3Store:
             if status == 400 or status == 405 or status == 501:
                 return Failure("invalid", errno.EINVAL, reason, False)
             return Failure("io", errno.EIO, reason, False)
+        if isinstance(exc, u3.HTTPError):  # a lean GET's body read: as botocore would wrap it
+            botocore_exc = _as_botocore(exc, self.endpoint)
+            return self._classify(botocore_exc, precondition_kind=precondition_kind)
         if isinstance(exc, ConnectTimeoutError):
             return Failure(
                 "unreachable", errno.EIO, f"cannot reach {self.endpoint}: connect timeout", True
@@ -513,6 +753,18 @@ class S3Store:
 
         A retry resumes after the bytes already received, pinned with If-Match
         to the ETag of the first response so versions are never mixed.
+
+        Each attempt is one lean GET where the store has a lean path (`_plan_lean`
+        says where): signed by botocore's S3SigV4Auth, sent by the store's own
+        urllib3 pool, its body read straight into the caller's buffer. That is
+        half the client CPU of boto3's get_object, whose request machinery (events,
+        serializing, endpoint rules, parsing) was a third of the daemon's CPU on
+        a directory of small files. It is handled as boto3's response would be:
+        2xx by the code below, 416 as the end of the object, any other error
+        status parsed by botocore's parser into the ClientError boto3 raises,
+        urllib3 exceptions classified as the botocore ones boto3 turns them
+        into. Only a possible wrong-region redirect (301/302/307/400) is redone
+        through boto3, which follows it; if that works, the lean path is dropped.
         """
         if start < 0 or length < 0:
             raise StoreError(
@@ -526,8 +778,88 @@ class S3Store:
         pinned = etag
         target: memoryview | None = None
 
-        def attempt() -> tuple[int, int]:
+        def receive(
+            size: int,
+            content_range: str | None,
+            etag: str | None,
+            metadata: Callable[[], dict[str, str] | None],
+            direct: Callable[[memoryview], int] | None,
+            sliced: Callable[[memoryview], int],
+        ) -> tuple[int, int]:
+            """A 2xx answer of `size` body bytes: checked, and its body read; (done, got)."""
             nonlocal done, pinned, target
+            pos = start + done
+            if content_range:
+                total = content_range.rsplit("/", 1)[1]
+                expect = max(0, min(end + 1, int(total)) - pos) if total != "*" else size
+            elif pos == 0:  # server ignored Range and sent the whole object
+                expect = min(length, size)
+                size = expect
+            else:
+                raise StoreError("server ignored the Range header", errno_=errno.EIO, kind="io")
+            if size != expect:
+                raise _ShortBody(f"{size} bytes for a {expect}-byte range")
+            if pinned is None:
+                pinned = _strip_etag(_need(etag))
+            if not done and self.on_metadata is not None:
+                meta = metadata()
+                if meta:
+                    self.on_metadata(key, _strip_etag(_need(etag)), meta)
+            if target is None:
+                target = alloc(done + size)
+            view = target[done : done + size]
+            got = 0
+            while got < size:
+                if direct is not None:
+                    n = direct(view[got:])
+                else:
+                    # Bounded slices: urllib3's readinto() allocates a temporary of the
+                    # requested size (two, with http.client); 8 MiB ones are fresh mmaps
+                    # (page faults, zeroing) per GET, 1 MiB ones are reused heap memory.
+                    n = sliced(view[got : got + _READ_SLICE])
+                if not n:
+                    raise _ShortBody(f"body ended after {got} of {size} bytes")
+                got += n
+                done += n
+            return done, got
+
+        def lean_attempt(lean: _Lean, headers: dict[str, str]) -> tuple[int, int] | None:
+            """One attempt as a lean GET; None: redo it through boto3."""
+            resp = self._lean_send(lean, full, headers)
+            status = resp.status
+            if status >= 300:
+                body = resp.read()  # (a complete read gives the connection back to the pool)
+                resp.release_conn()
+                if status == 416:
+                    return done, 0  # range starts at or past EOF (e.g. a zero-size object)
+                if status in _REDO_STATUSES:
+                    return None
+                raise self._get_error(status, resp.headers, body)
+            released = False
+            try:
+                hdrs = resp.headers
+                size = int(hdrs["content-length"])
+                fp = getattr(resp, "_fp", None)  # the http.client response: see _socket_readinto
+                direct = None
+                if (
+                    isinstance(fp, http.client.HTTPResponse)
+                    and hdrs.get("content-encoding", "identity") == "identity"
+                ):
+                    direct = fp.readinto
+                out = receive(
+                    size, hdrs.get("content-range"), hdrs.get("etag"),
+                    lambda: _metadata(hdrs), direct, resp.readinto,
+                )
+                if out[1] == size:  # all of the body: the connection can serve another GET
+                    resp.release_conn()
+                    released = True
+                return out
+            finally:
+                if not released:  # unread bytes may follow: the connection is not reused
+                    resp.close()
+                    resp.release_conn()
+
+        def attempt() -> tuple[int, int]:
             pos = start + done
             kwargs: dict[str, Any] = {
                 "Bucket": self.bucket,
@@ -536,50 +868,34 @@ class S3Store:
             }
             if pinned:
                 kwargs["IfMatch"] = _quote_etag(pinned)
+            lean = self._lean
+            if lean is not None:
+                headers = {"Range": kwargs["Range"]}
+                if pinned:
+                    headers["If-Match"] = kwargs["IfMatch"]
+                out = lean_attempt(lean, headers)
+                if out is not None:
+                    return out
             try:
                 resp = self._client.get_object(**kwargs)
             except ClientError as exc:
                 if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416:
                     return done, 0  # range starts at or past EOF (e.g. a zero-size object)
                 raise
+            if lean is not None and self._lean is lean:
+                log.info("GETs of %s through boto3 from now on: it followed a redirect", self.url)
+                self._lean = None
             body = resp["Body"]
             try:
                 size = int(resp["ContentLength"])
-                content_range = resp.get("ContentRange")
-                if content_range:
-                    total = content_range.rsplit("/", 1)[1]
-                    expect = max(0, min(end + 1, int(total)) - pos) if total != "*" else size
-                elif pos == 0:  # server ignored Range and sent the whole object
-                    expect = min(length, size)
-                    size = expect
-                else:
-                    raise StoreError("server ignored the Range header", errno_=errno.EIO, kind="io")
-                if size != expect:
-                    raise _ShortBody(f"{size} bytes for a {expect}-byte range")
-                if pinned is None:
-                    pinned = _strip_etag(resp["ETag"])
-                if not done and self.on_metadata is not None and resp.get("Metadata"):
-                    self.on_metadata(key, _strip_etag(resp["ETag"]), resp["Metadata"])
-                if target is None:
-                    target = alloc(done + size)
-                view = target[done : done + size]
                 direct = _socket_readinto(body)
-                got = 0
-                while got < size:
-                    if direct is not None:
-                        n = direct(view[got:])
-                    else:
-                        # Bounded slices: urllib3's readinto() allocates a temporary of the
-                        # requested size (two, with http.client); 8 MiB ones are fresh mmaps
-                        # (page faults, zeroing) per GET, 1 MiB ones are reused heap memory.
-                        n = body.readinto(view[got : got + _READ_SLICE])
-                    if not n:
-                        raise _ShortBody(f"body ended after {got} of {size} bytes")
-                    got += n
-                    done += n
-                if direct is not None:
+                out = receive(
+                    size, resp.get("ContentRange"), resp.get("ETag"),
+                    lambda: resp.get("Metadata"), direct, body.readinto,
+                )
+                if direct is not None and out[1] == size:
                     body._raw_stream.release_conn()  # what urllib3 does at the end of a body
-                return done, got
+                return out
             finally:
                 body.close()
 
