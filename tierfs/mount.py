@@ -185,6 +185,7 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
         nursery.start_soon(kernel.run)
         nursery.start_soon(kept.run)
         nursery.start_soon(walk_ahead.run)
+        nursery.start_soon(reads.run_releases)
         await wb.recover()
         nursery.start_soon(uploader.run)
         nursery.start_soon(ctl.refresh_live)

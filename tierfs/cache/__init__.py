@@ -32,12 +32,14 @@ import lmdb
 import xxhash
 
 from tierfs.cache import listings
+from tierfs.cache.directio import pwrite_all
 from tierfs.cache.index import (
     CLEAN,
     DIRTY,
     FORMAT_VERSION,
     PROBATION,
     STORED,
+    VERIFIED,
     WRITTEN,
     CachedObject,
     Index,
@@ -385,6 +387,45 @@ class Cache:
             if claimed is not None:
                 self._unclaim(claimed)
 
+    def release_many(self, entries: list[Entry]) -> None:
+        """`release` each entry; the uses of those closed by it written in one index
+        transaction. A walk through 10,000 small files closes one a file: a worker
+        hop and a commit each were a fifth of the daemon's CPU (issue 21)."""
+        closing: list[Entry] = []  # last references, claimed
+        gone: list[Entry] = []  # last references of entries no longer the key's
+        try:
+            for entry in entries:
+                with self._lock:
+                    if entry._refs <= 0:
+                        raise ValueError(f"{entry.key!r}: released more often than opened")
+                    entry._refs -= 1
+                    while entry._refs == 0:
+                        kh = entry._kh
+                        if self._open.get(kh) is not entry:
+                            gone.append(entry)
+                            break
+                        if kh not in self._busy:
+                            del self._open[kh]
+                            self._busy.add(kh)
+                            closing.append(entry)
+                            break
+                        self._cond.wait()
+            if closing:
+                with self.index.write() as wt:
+                    for entry in closing:
+                        entry._close(persist=True, wt=wt)
+                self.account(wt.used_delta)
+                for entry in closing:
+                    entry._persisted()
+        finally:
+            for entry in closing:
+                try:
+                    entry._close(persist=False)  # closed above unless the commit failed
+                finally:
+                    self._unclaim(entry._kh)
+            for entry in gone:
+                entry._close(persist=False)
+
     def _acquire(self, key: str, want: tuple[str, int, float] | None, touch: bool) -> Entry | None:
         kh = key_hash(key)
         now = time.time_ns()
@@ -479,6 +520,52 @@ class Cache:
         except BaseException:
             os.close(fd)
             raise
+
+    def put_whole(self, key: str, etag: str, mtime: float, data: memoryview) -> bool:
+        """Keep a whole clean object fetched ahead of its reader (a small object of a
+        directory walk): its file written and its record and chunk checksums in one
+        index transaction, its chunks marked verified for its next open. Not a use
+        for eviction. False, and nothing done, where tier 1 has this version already,
+        holds a local one, or the key is open (its holder fetches what it lacks).
+        One transaction instead of the three of open, store and release: index
+        commits were a sixth of the daemon's CPU in a walk through 10,000 small
+        objects (issue 21)."""
+        if self._identity is None:
+            raise RuntimeError("Cache.bind(identity) must come before put_whole()")
+        size = len(data)
+        kh = key_hash(key)
+        with self._lock:
+            if kh in self._busy or kh in self._open:
+                return False
+            self._busy.add(kh)
+        try:
+            rec = self.index.record(kh)
+            if rec is not None:
+                if rec.state != CLEAN or (rec.etag, rec.size, rec.cached) == (etag, size, size):
+                    return False
+                self._drop(kh)  # an older version, or a part of this one
+            name = "\0".join((self._identity, key, etag)).encode("utf-8", "surrogateescape")
+            fid = xxhash.xxh3_128_digest(name + os.urandom(8))
+            fd = os.open(self.objects_dir / fid.hex(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                pwrite_all(fd, data, 0)
+            finally:
+                os.close(fd)
+            cs = self.chunk_size
+            digests = [xxhash.xxh3_64_digest(data[o : o + cs]) for o in range(0, size, cs)]
+            now = time.time_ns()
+            rec = Record(fid, key, etag, size, mtime, size, now, now, CLEAN, PROBATION)
+            with self.index.write() as wt:
+                wt.put(kh, None, rec)
+                wt.put_chunks(fid, 0, digests)
+            self.account(wt.used_delta)
+            self.stash(fid, bytearray((VERIFIED,)) * len(digests))
+        finally:
+            with self._lock:
+                self._busy.discard(kh)
+                self._cond.notify_all()
+        self.make_room(None)
+        return True
 
     def _create(
         self, kh: bytes, key: str, etag: str, size: int, mtime: float, *, touch_ns: int | None

@@ -1095,15 +1095,20 @@ class Entry:
                 self._pending = 0
             return rec
 
-    def _close(self, persist: bool) -> None:
-        """Last release: write back the use (eviction order) and dirty growth, close
-        the fd, and leave the verified bitmap with the cache for the next open."""
+    def _close(self, persist: bool, wt: WriteTxn | None = None) -> None:
+        """Last release: write back the use (eviction order) and dirty growth (in
+        `wt` if given: the caller commits it, then accounts `wt.used_delta` and
+        calls `_persisted`), close the fd, and leave the verified bitmap with the
+        cache for the next open."""
         with self._io:
             if self._fd < 0:
                 return
             try:
                 if persist and not self._detached and (self._touched or self._pending):
-                    self._persist()
+                    if wt is None:
+                        self._persist()
+                    else:
+                        self._persist_in(wt)
             finally:
                 with self._mu:
                     fd, dfd = self._fd, self._dfd
@@ -1117,20 +1122,26 @@ class Entry:
                 self._cache.keep_pages(self._fid, self._pages)
 
     def _persist(self) -> None:
-        cache = self._cache
+        with self._cache.index.write() as wt:
+            self._persist_in(wt)
+        self._cache.account(wt.used_delta)
+        self._persisted()
+
+    def _persist_in(self, wt: WriteTxn) -> None:
         now = time.time_ns()  # a use lasts until its last release
-        with cache.index.write() as wt:
-            rec = self._record(wt)
-            if self._state == CLEAN:
-                record_use(
-                    wt, self._kh, rec, access_ns=now, reused=self._reused, capacity=cache.capacity
-                )
-            else:
-                wt.put(
-                    self._kh, rec, replace(rec, size=self.size, cached=self._cached, access_ns=now)
-                )
+        rec = self._record(wt)
+        if self._state == CLEAN:
+            record_use(
+                wt, self._kh, rec, access_ns=now, reused=self._reused, capacity=self._cache.capacity
+            )
+        else:
+            wt.put(self._kh, rec, replace(rec, size=self.size, cached=self._cached, access_ns=now))
+
+    def _persisted(self) -> None:
+        """The record written by `_persist_in` is committed (and its used_delta
+        accounted): the dirty growth it carried is no longer pending."""
         with self._mu:
-            cache.account(wt.used_delta - self._pending)
+            self._cache.account(-self._pending)
             self._pending = 0
         self._touched = False
 
