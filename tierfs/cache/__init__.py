@@ -364,33 +364,15 @@ class Cache:
         self.make_room(None)
 
     def release(self, entry: Entry) -> None:
-        with self._lock:
-            if entry._refs <= 0:
-                raise ValueError(f"{entry.key!r}: released more often than opened")
-            entry._refs -= 1
-            while True:
-                if entry._refs:
-                    return
-                kh = entry._kh
-                if self._open.get(kh) is not entry:
-                    claimed = None
-                    break
-                if kh not in self._busy:
-                    del self._open[kh]
-                    self._busy.add(kh)
-                    claimed = kh
-                    break
-                self._cond.wait()
-        try:
-            entry._close(persist=claimed is not None)
-        finally:
-            if claimed is not None:
-                self._unclaim(claimed)
+        self.release_many([entry])
 
     def release_many(self, entries: list[Entry]) -> None:
-        """`release` each entry; the uses of those closed by it written in one index
-        transaction. A walk through 10,000 small files closes one a file: a worker
-        hop and a commit each were a fifth of the daemon's CPU (issue 21)."""
+        """`release` each entry; the uses (and dirty growth) of those whose last
+        reference this was written in one index transaction. A walk through
+        10,000 small files closes one a file: a worker hop and a commit each were
+        a fifth of the daemon's CPU (issue 21). The transaction takes no entry's
+        I/O lock (a fetch still storing into an entry holds it while it waits for
+        the index): the records are re-read in it, the fds closed after it."""
         closing: list[Entry] = []  # last references, claimed
         gone: list[Entry] = []  # last references of entries no longer the key's
         try:
@@ -410,17 +392,18 @@ class Cache:
                             closing.append(entry)
                             break
                         self._cond.wait()
-            if closing:
+            persisting = [e for e in closing if e._unpersisted()]
+            if persisting:
                 with self.index.write() as wt:
-                    for entry in closing:
-                        entry._close(persist=True, wt=wt)
+                    for entry in persisting:
+                        entry._persist_in(wt)
                 self.account(wt.used_delta)
-                for entry in closing:
+                for entry in persisting:
                     entry._persisted()
         finally:
             for entry in closing:
                 try:
-                    entry._close(persist=False)  # closed above unless the commit failed
+                    entry._close(persist=False)
                 finally:
                     self._unclaim(entry._kh)
             for entry in gone:

@@ -1095,20 +1095,15 @@ class Entry:
                 self._pending = 0
             return rec
 
-    def _close(self, persist: bool, wt: WriteTxn | None = None) -> None:
-        """Last release: write back the use (eviction order) and dirty growth (in
-        `wt` if given: the caller commits it, then accounts `wt.used_delta` and
-        calls `_persisted`), close the fd, and leave the verified bitmap with the
-        cache for the next open."""
+    def _close(self, persist: bool) -> None:
+        """Last release: write back the use (eviction order) and dirty growth, close
+        the fd, and leave the verified bitmap with the cache for the next open."""
         with self._io:
             if self._fd < 0:
                 return
             try:
-                if persist and not self._detached and (self._touched or self._pending):
-                    if wt is None:
-                        self._persist()
-                    else:
-                        self._persist_in(wt)
+                if persist and self._unpersisted():
+                    self._persist()
             finally:
                 with self._mu:
                     fd, dfd = self._fd, self._dfd
@@ -1126,6 +1121,10 @@ class Entry:
             self._persist_in(wt)
         self._cache.account(wt.used_delta)
         self._persisted()
+
+    def _unpersisted(self) -> bool:
+        """A use or dirty growth of this open entry that its record lacks."""
+        return self._fd >= 0 and not self._detached and (self._touched or bool(self._pending))
 
     def _persist_in(self, wt: WriteTxn) -> None:
         now = time.time_ns()  # a use lasts until its last release
