@@ -6,8 +6,9 @@ one small object after another; alone, each open waits for its own GET, so
 the walk runs at one store round trip per file. walks.py sees a walk over the
 positions of the directory's listing (sorted names, as `ls` and the store list
 them); this module turns what it asks for into whole-object fetches into tier
-1, so the reader's next opens find their objects there or already in flight
-(the reader's single-flight joins them).
+1, so the reader's next opens find their objects there (and their bytes in
+memory: bodies.py) or already in flight (the open waits for that fetch:
+`reading`). A fetch ahead is one worker hop: GET and `Cache.put_whole`.
 
 Bounds: at most `parallel` fetches at a time (one GET slot is left to demand
 reads), each taking its object's bytes from the memory budget while in
