@@ -208,17 +208,26 @@ class WriteBack:
         if self.ctx.policy.settings(new).publish == "background" and pf is not None and pf.local:
             dst = self.journal.get(new)
             inherited = dst.condition if dst is not None and dst.local else None
-            if await self._move_local(old, new, hand_over=False):
-                await self.workers.disk(self.cache.sync)  # the commit point survives a power loss
-                await self.workers.meta(self.store.delete, old)  # an older stored version of it
-                if inherited is not None:  # replaces one never published: the same store version
-                    pf.condition = inherited
-                else:
-                    self.ctx.publisher.retarget(pf, if_match)
-                if pf.sealed:  # else its close journals the barrier
-                    await self.ctx.publisher.journal_barrier(pf, if_match=if_match)
-                    if not pf.sessions:
-                        self.ctx.hand_over(pf)
+            # A release of its last writer while this rename awaits below must not
+            # hand it over (a manifest name without a journaled barrier yet: it
+            # would be dropped as a publish that failed in close): this does.
+            pf.renaming = True
+            try:
+                moved = await self._move_local(old, new, hand_over=False)
+                if moved:
+                    await self.workers.disk(self.cache.sync)  # the commit point survives a power loss
+                    await self.workers.meta(self.store.delete, old)  # an older stored version of it
+                    if inherited is not None:  # replaces one never published: the same store version
+                        pf.condition = inherited
+                    else:
+                        self.ctx.publisher.retarget(pf, if_match)
+                    if pf.sealed:  # else its close journals the barrier
+                        await self.ctx.publisher.journal_barrier(pf, if_match=if_match)
+            finally:
+                pf.renaming = False
+            if moved:
+                if pf.sealed and not pf.sessions and not pf.gone.is_set():
+                    self.ctx.hand_over(pf)
                 return []
             # it landed meanwhile: a stored object, published below
         src = await self.workers.disk(self.cache.open_existing, old)

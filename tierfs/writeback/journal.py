@@ -71,6 +71,9 @@ class PendingFile:
         self.barrier: list[tuple[PendingFile, int]] | None = None
         self.condition: Condition | None = None
         self.record: str | None = None  # the id of its journaled barrier (publish.Records)
+        # Being renamed onto a manifest name (core.publish_rename): that rename hands
+        # it over once its barrier is journaled, not a release meanwhile.
+        self.renaming = False
 
     @property
     def mtime(self) -> float:

@@ -135,6 +135,8 @@ class WriteContext:
         """A sealed file with no writer left goes up as the class of its name says:
         write-back after the class's quiet delay, a journaled manifest once its
         barrier landed. False if its class uploads only in close (its close did)."""
+        if pf.renaming:
+            return True  # core.publish_rename hands it over (its barrier journaled)
         settings = self.policy.settings(pf.key)
         if settings.write_mode == "writeback" or pf.key.endswith("/"):
             pf.barrier = pf.condition = None  # (renamed away from a manifest name)
