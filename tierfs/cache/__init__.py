@@ -527,8 +527,7 @@ class Cache:
                 if rec.state != CLEAN or (rec.etag, rec.size, rec.cached) == (etag, size, size):
                     return False
                 self._drop(kh)  # an older version, or a part of this one
-            name = "\0".join((self._identity, key, etag)).encode("utf-8", "surrogateescape")
-            fid = xxhash.xxh3_128_digest(name + os.urandom(8))
+            fid = self._new_fid(key, etag)
             fd = os.open(self.objects_dir / fid.hex(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
                 pwrite_all(fd, data, 0)
@@ -550,15 +549,20 @@ class Cache:
         self.make_room(None)
         return True
 
+    def _new_fid(self, key: str, etag: str) -> bytes:
+        """A new tier-1 file's id: a hash of source, key and etag; the random tail
+        keeps a key that comes back (after a rename or removal) off a file still
+        held elsewhere."""
+        assert self._identity is not None
+        name = "\0".join((self._identity, key, etag)).encode("utf-8", "surrogateescape")
+        return xxhash.xxh3_128_digest(name + os.urandom(8))
+
     def _create(
         self, kh: bytes, key: str, etag: str, size: int, mtime: float, *, touch_ns: int | None
     ) -> Entry:
         assert self._identity is not None
         now = time.time_ns()
-        # Named by a hash of source, key and etag; the random tail keeps a key that
-        # comes back (after a rename or removal) off a file still held elsewhere.
-        name = "\0".join((self._identity, key, etag)).encode("utf-8", "surrogateescape")
-        fid = xxhash.xxh3_128_digest(name + os.urandom(8))
+        fid = self._new_fid(key, etag)
         rec = Record(fid, key, etag, size, mtime, 0, now, now, CLEAN, PROBATION)
         with self.index.write() as wt:
             wt.put(kh, None, rec)
