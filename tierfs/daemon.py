@@ -9,6 +9,7 @@ is reported once the mount answers a `stat`.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import resource
@@ -181,6 +182,7 @@ class Daemon:
             self.start_metrics()
             prepared = Prepared(cfg, self.store, self.cache, self.metrics, self.health,
                                 self.warnings, not self.unsafe_manifests, self.metrics_url)
+            _collect_garbage_less_often()
             trio.run(serve, prepared, on_ready)
         finally:
             self.stop_metrics()
@@ -189,6 +191,22 @@ class Daemon:
             except OSError as exc:  # a full cache disk: uses not written back are lost, no data
                 log.warning("closing the cache: %s", exc)
             log.info("tierfs stopped: %s", cfg.mountpoint)
+
+
+# Allocations between two young-generation collections (CPython's default: 700).
+GC_YOUNG_THRESHOLD = 20_000
+
+
+def _collect_garbage_less_often() -> None:
+    """The daemon holds a node per name it has seen (10,000s in a dataset) and makes
+    thousands of objects per directory listed. At CPython's default threshold the
+    cyclic collector ran ~95 times over three `ls -l` of 10,000 names after a
+    remount, 55-70 ms in all as its older generations walked every node: the
+    second `ls -l` took 0.12-0.16 s, the third 0.07 s. Young collections waiting
+    for 20,000 allocations: the second 0.07 s, the first 0.147 -> 0.138 s (medians
+    of 7). Garbage waits a little longer: a few MB at most."""
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
 
 
 def _open_files_up_to_hard_limit() -> None:
