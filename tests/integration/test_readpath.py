@@ -177,9 +177,10 @@ def test_kernel_page_cache_is_dropped_when_the_object_changes(
     served_after = m.metric("tierfs_read_bytes_total{tier=cache}") + m.metric(
         "tierfs_read_bytes_total{tier=store}")
     # An open that dropped the pages would have the daemon serve all 3 MiB again.
-    # Not "nothing at all": this VM's host reclaims single page-cache pages of an
-    # idle file with GiBs free (fincore showed 681..768 of 768 pages resident
-    # before a third read, scattered 4 KiB reads at the daemon), and CI failed once so.
+    # Not "nothing at all": this VM runs DAMON with a pageout scheme (kdamond),
+    # which reclaims single page-cache pages of an idle file with GiBs free
+    # (fincore showed 681..768 of 768 pages resident before a third read,
+    # scattered 4 KiB reads at the daemon), and CI failed once so.
     assert served_after - served_before < len(old) // 2
     put(s3_server, bucket, "d/changing.tar", new)
     deadline = time.monotonic() + 10  # the TTLs are 1 s: well within
