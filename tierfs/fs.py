@@ -246,6 +246,7 @@ class TierFS(pyfuse3.Operations):
 
     @fuse_errors
     async def flush(self, fh: int) -> None:
+        self.metrics.meta_op("flush")
         h = self._handles.get(fh)
         if h is not None:
             await h.flush()
@@ -290,4 +291,5 @@ class TierFS(pyfuse3.Operations):
         fh = next(self._fhs)
         self._handles[fh] = h
         backing_id = self.modes.bind(fh, opened)  # passthrough wins over direct_io in the kernel
-        return file_info(fh, h.keep_cache, h.direct and not backing_id, backing_id)
+        return file_info(fh, h.keep_cache, h.direct and not backing_id, backing_id,
+                         noflush=not h.flushes)

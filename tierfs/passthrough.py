@@ -138,12 +138,17 @@ def confirm(mode: Mode, cache_dir: Path) -> Mode:
     return mode
 
 
-def file_info(fh: int, keep_cache: bool, direct_io: bool, backing_id: int) -> pyfuse3.FileInfo:
-    """An open's reply; `backing_id` > 0 makes it passthrough (only the
-    passthrough build of pyfuse3 has the field)."""
+def file_info(fh: int, keep_cache: bool, direct_io: bool, backing_id: int,
+              *, noflush: bool) -> pyfuse3.FileInfo:
+    """An open's reply; `backing_id` > 0 makes it passthrough; `noflush`: close(2)
+    of its descriptors sends no FLUSH (the kernel sends it anyway while its
+    write-back cache is on). Only the patched pyfuse3 has these two fields
+    (third_party/pyfuse3); a stock one gets neither."""
     info = pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=direct_io)
     if backing_id:
         info.backing_id = backing_id
+    if noflush and hasattr(info, "noflush"):
+        info.noflush = True
     return info
 
 

@@ -34,6 +34,7 @@ needs_passthrough = pytest.mark.skipif(
     reason=f"FUSE passthrough off: {MODE.reason}" if not MODE.enabled
     else "TIERFS_TEST_PASSTHROUGH=0")
 READS = "tierfs_read_latency_seconds_count"  # FUSE READ requests the daemon served
+FLUSHES = "tierfs_metadata_ops_total{op=flush}"  # FUSE FLUSH requests (one per close(2))
 
 
 def sha(data: bytes | mmap.mmap) -> str:
@@ -101,6 +102,28 @@ def test_a_complete_verified_file_is_served_by_the_kernel(
     assert passthrough_opens(m) == 1
     all_released(m)
     assert m.status()["passthrough"]["open_inodes"] == 0
+
+
+@needs_passthrough
+def test_closing_a_read_only_descriptor_sends_no_flush(
+    mount_factory: MountFactory, bucket: str, obj: bytes
+) -> None:
+    """Read-only opens are answered with FOPEN_NOFLUSH (their flush does nothing):
+    close(2) sends no FLUSH, a request fewer per file of a walk. A descriptor
+    open for writing still sends it: its close seals what it wrote."""
+    m = mount_factory(f"s3://{bucket}")
+    path = m.mountpoint / "data/shard.tar"
+    for _ in range(3):  # a daemon-served open (cold), then passthrough ones
+        assert read_all(path) == obj
+    fd = os.open(path, os.O_RDONLY)
+    os.close(os.dup(fd))  # each close(2) of a descriptor would send one
+    os.close(fd)
+    all_released(m)
+    assert passthrough_opens(m) >= 1
+    assert m.metric(FLUSHES) == 0
+    (m.mountpoint / "data/new.bin").write_bytes(b"x" * 1000)
+    assert m.metric(FLUSHES) >= 1
+    assert read_all(m.mountpoint / "data/new.bin") == b"x" * 1000
 
 
 @needs_passthrough

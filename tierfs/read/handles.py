@@ -179,6 +179,7 @@ class ReadHandle:
     """A handle opened for reading only."""
 
     direct = False  # reads keep the kernel page cache (keep_cache per class)
+    flushes = False  # its flush does nothing: the kernel need not send it (FOPEN_NOFLUSH)
 
     def __init__(self, path: ReadPath, key: str, entry: Entry, settings: ClassSettings) -> None:
         self._path = path
