@@ -28,6 +28,11 @@ from tierfs.read.walkahead import WalkAhead
 from tierfs.store.base import StoreError
 from tierfs.workers import Workers
 
+# Closes gathered into one release batch: a serial walk closes a file every ~1 ms,
+# so a batch started at once held one close (a hop and a commit per file).
+RELEASE_GATHER_S = 0.005
+RELEASE_BATCH_MAX = 256
+
 log = logging.getLogger(__name__)
 
 
@@ -132,10 +137,14 @@ class ReadPath:
         handles, all those closed since the last batch in one worker hop and one
         index transaction (Cache.release_many). A walk through 10,000 small
         files closes one a file: a hop and a commit each were a fifth of the
-        daemon's CPU (issue 21). What is left at shutdown is released then."""
+        daemon's CPU (issue 21), so a batch waits RELEASE_GATHER_S for the
+        closes that follow its first. An entry released a few ms late only
+        stays unevictable that long. What is left at shutdown is released then."""
         try:
             while True:
                 await self._release_due.wait()
+                if len(self._releasing) < RELEASE_BATCH_MAX:
+                    await trio.sleep(RELEASE_GATHER_S)
                 self._release_due = trio.Event()
                 await self._release_batch()
         finally:
