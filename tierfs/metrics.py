@@ -101,7 +101,7 @@ class Metrics:
             buckets=LATENCY_BUCKETS, registry=r,
         )
         self.meta_ops = Counter(
-            "tierfs_metadata_ops", "Metadata operations served", ["op"], registry=r,
+            "tierfs_metadata_ops", "Metadata operations (and FLUSH requests) served", ["op"], registry=r,
         )
         self.writeback_events = Counter(
             "tierfs_writeback", "Write-back uploader events (uploaded bytes, retries)", ["event"],

@@ -157,6 +157,8 @@ class WriteContext:
 
 
 class WriteSession:
+    flushes = True  # close(2) seals what it wrote (flush): the kernel must send it
+
     def __init__(
         self,
         wb: WriteContext,
@@ -174,7 +176,6 @@ class WriteSession:
         self.entry = entry
         self.inode = inode
         self.direct = direct  # writes skip the kernel page cache (ClassSettings.direct_writes)
-        self.flushes = True  # close(2) seals what it wrote (flush)
         self.keep_cache = keep_cache
         self.base_etag = base_etag  # the store version this handle read (manifest If-Match)
         self.dirty = dirty  # written through this handle since its last seal
