@@ -139,10 +139,12 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
         walk_ahead = WalkAhead(reader, cache, workers, health, children=ns.children_of,
                                stored=ns.stored_file, whole_max=cfg.whole_object_max,
                                parallel=max(1, cfg.max_parallel_gets - 1), walks=Walks())
+        modes = OpenModes(passthrough.probe(cache_dir, cfg.passthrough), cache, workers,
+                          nursery, metrics.file_open)
         reads = ReadPath(reader, cache, workers, health, prefetch_globs=cfg.prefetch_globs,
                          prefetch_min_size=cfg.prefetch_min_size,
                          observe_latency=metrics.read_latency, settle=queued.drain_entry,
-                         walk_ahead=walk_ahead)
+                         walk_ahead=walk_ahead, kernel_reads=lambda: modes.mode.enabled)
         quarantine = Quarantine(cache_dir / "quarantine", cache)
         conflicts = Conflicts(cache_dir / "conflicts", cache)
         streams = Streams(store, cache, journal, workers, upload_parts, queued,
@@ -169,8 +171,6 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
             fetch=partial(reader.ensure, whole_parts=True), refresh=ns.refresh,
             on_dropped=ns.local_dropped, invalidate=kernel.drop_pages)
         wb = WriteBack(ctx, store, quarantine, barrier)
-        modes = OpenModes(passthrough.probe(cache_dir, cfg.passthrough), cache, workers,
-                          nursery, metrics.file_open)
         ops = TierFS(ns, reads, wb, TreeChanges(ns, wb), metrics, workers, cache.root, modes)
         info = MountInfo(
             source=store.url, mountpoint=str(cfg.mountpoint), cache_dir=str(cache_dir),
@@ -185,7 +185,7 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
         nursery.start_soon(kernel.run)
         nursery.start_soon(kept.run)
         nursery.start_soon(walk_ahead.run)
-        nursery.start_soon(reads.run_releases)
+        nursery.start_soon(reads.run)
         await wb.recover()
         nursery.start_soon(uploader.run)
         nursery.start_soon(ctl.refresh_live)

@@ -113,14 +113,19 @@ async def test_nothing_is_fetched_ahead_while_the_store_is_down(
     assert store.gets == []
 
 
-async def test_a_warm_walk_looks_nothing_up(cache: Cache, store: Recorded) -> None:
-    """Objects tier 1 held before the walk: nothing is queued (each would cost a
-    disk-worker hop to find present)."""
+async def test_a_warm_walk_fetches_nothing_and_names_what_to_open_ahead(
+    cache: Cache, store: Recorded
+) -> None:
+    """Objects tier 1 held before the walk: nothing is queued for fetching (finding
+    each present would cost a disk-worker hop); the walk's next objects come back
+    to be opened ahead (prepared.py), each once."""
     children, infos = directory(store, [CS // 2] * N)
+    named: list[str] = []
     async with trio.open_nursery() as n:
         w = walk_ahead(store, cache, n, children, infos)
         for name in sorted(children):
-            w.opened(f"d/{name}", present=True)
+            named += [i.key for i in w.opened(f"d/{name}", present=True)]
             assert not w._wanted
         n.cancel_scope.cancel()
     assert store.gets == []
+    assert named == [f"d/{name}" for name in sorted(children)[3:]]  # from the third open on

@@ -493,14 +493,21 @@ class Entry:
             check(memoryview(data))
             return data
 
-    def read_whole(self) -> bytes:
+    def will_need(self) -> None:
+        """Have the device start reading the whole file (readahead), not waiting: a
+        batch of opens ahead of a walk gets its files' reads in flight together."""
+        os.posix_fadvise(self._fd, 0, self.size, os.POSIX_FADV_WILLNEED)
+
+    def read_whole(self, *, keep_pages: bool = False) -> bytes:
         """`read` of the whole object; a clean entry's pages are dropped after (as
-        `read_into` does): its reader keeps the bytes, tier 1 need not."""
+        `read_into` does): its reader keeps the bytes, tier 1 need not. Unless
+        `keep_pages`: the kernel reads this file next (passthrough), and would
+        read the device a second time."""
         with self._serving(0, self.size) as (n, check):
             if not n:
                 return b""
             data = _pread(self._fd, n, 0)
-            if self._state == CLEAN:
+            if self._state == CLEAN and not keep_pages:
                 os.posix_fadvise(self._fd, 0, len(data), os.POSIX_FADV_DONTNEED)
             check(memoryview(data))
             return data

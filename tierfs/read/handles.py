@@ -1,9 +1,10 @@
 """Read-only opens: what `open` returns for reading, and how any handle reads.
 
-`ReadPath.open` gets the object's tier-1 entry, decides whether to fetch a
-model-like file whole in the background (DESIGN §3.6) and tells walkahead.py
-of the open (a walk through a directory of small objects gets its next files
-fetched). `ReadPath.read` is the
+`ReadPath.open` gets the object's tier-1 entry (opened ahead by prepared.py
+when a warm walk reaches it), decides whether to fetch a model-like file whole
+in the background (DESIGN §3.6) and tells walkahead.py of the open (a walk
+through a directory of small objects gets its next files fetched, or opened
+ahead when tier 1 holds them). `ReadPath.read` is the
 read of every handle, read-only or writable: it first waits for writes to the
 file that were acknowledged and not yet applied (`settle`: the write path's
 queued direct writes), a store known to be down fails at once for bytes tier
@@ -22,6 +23,7 @@ from tierfs.cache import Cache, ChunkCorrupt, Entry
 from tierfs.config import ClassSettings
 from tierfs.globs import glob_to_regex
 from tierfs.health import StoreHealth
+from tierfs.read.prepared import PreparedOpens
 from tierfs.read.reader import Reader
 from tierfs.read.streams import ReadState
 from tierfs.read.walkahead import WalkAhead
@@ -49,10 +51,14 @@ class ReadPath:
         observe_latency: Callable[[float], None],
         settle: Callable[[Entry], Awaitable[None]],
         walk_ahead: WalkAhead,
+        kernel_reads: Callable[[], bool],
     ) -> None:
         self.reader = reader
         self.walk_ahead = walk_ahead
         self.settle = settle
+        # Whether the kernel reads a verified object's tier-1 file itself (passthrough
+        # on): the file's pages are then worth keeping and its bytes in memory not.
+        self._kernel_reads = kernel_reads
         self.cache = cache
         self.workers = workers
         self.health = health
@@ -61,6 +67,9 @@ class ReadPath:
         self._observe_latency = observe_latency
         self._releasing: list[Entry] = []  # entries of read handles closed, to release
         self._release_due = trio.Event()
+        self.prepared = PreparedOpens(cache, workers, read_soon=self.read_soon, load=self.load,
+                                      offer=reader.bodies.offer, release=self._release_later,
+                                      absent=walk_ahead.fetch)
 
     async def open(
         self, key: str, etag: str, size: int, mtime: float, settings: ClassSettings
@@ -75,42 +84,70 @@ class ReadPath:
     async def _open_handle(
         self, key: str, etag: str, size: int, mtime: float, settings: ClassSettings
     ) -> ReadHandle:
-        entry, body = await self.workers.disk(self._open, key, etag, size, mtime)
-        if body is not None:
-            self.reader.bodies.offer(key, entry.etag, body)
+        ready = await self.prepared.take(key, etag, size)
+        if ready is not None:
+            entry = ready
+        else:
+            entry, body = await self.workers.disk(self._open, key, etag, size, mtime)
+            if body is not None:
+                self.reader.bodies.offer(key, entry.etag, body)
         try:
             if self._wants_prefetch(key, size) and not self.reader.prefetching(entry):
                 await self._prefetch_object(key, etag, size, mtime, entry)
         except BaseException:
             await self.workers.disk(self.cache.release, entry)
             raise
-        self.walk_ahead.opened(key, present=entry.state == "clean" and not entry.missing(0, size))
+        warm = self.walk_ahead.opened(key, present=entry.state == "clean"
+                                      and not entry.missing(0, size))
+        if warm:
+            self.prepared.want(warm)
         return ReadHandle(self, key, entry, settings)
 
     def _open(self, key: str, etag: str, size: int, mtime: float) -> tuple[Entry, bytes | None]:
-        """(In a worker) the tier-1 entry, and a whole small object's bytes if tier 1
-        holds all of them and none was served since the daemon started (a warm pass
-        after a remount: its first read would verify them in a worker hop of its
-        own): loaded and verified in this same hop, its reads need none (bodies.py).
-        An object served before is not loaded: the kernel may well still hold its
-        pages (keep_cache), and a load for nothing would cost a device read per open."""
-        entry = self.cache.open(key, etag, size, mtime)
-        if (
-            not 0 < entry.size <= self.reader.whole_max
-            or entry.state != "clean"
-            or self.reader.bodies.cap < entry.size
-            or self.reader.bodies.has(key, entry.etag)
-            or entry.missing(0, entry.size)
-            or entry.servable_now(0, entry.size)
-        ):
+        """(In a worker) the tier-1 entry of an object, loaded (`load`) in the same hop."""
+        return self.load(self.cache.open(key, etag, size, mtime))
+
+    def _whole(self, entry: Entry) -> bool:
+        """A whole small clean object in tier 1."""
+        return (0 < entry.size <= self.reader.whole_max and entry.state == "clean"
+                and not entry.missing(0, entry.size))
+
+    def loads(self, entry: Entry) -> bool:
+        """Whether `load` reads `entry`: a whole small object tier 1 holds all of and
+        none of which was served since the daemon started (a warm pass after a
+        remount: its first read would verify it in a hop of its own, and
+        passthrough takes verified files only). An object served before is not
+        loaded: the kernel may well still hold its pages (keep_cache), and a load
+        for nothing would cost a device read per open."""
+        return (
+            self._whole(entry)
+            and not entry.servable_now(0, entry.size)
+            and (self._kernel_reads() or (self.reader.bodies.cap >= entry.size
+                                          and not self.reader.bodies.has(entry.key, entry.etag)))
+        )
+
+    def read_soon(self, entry: Entry) -> bool:
+        """Whether the device is read for `entry` right after its open: it `loads`,
+        or the kernel reads its file through passthrough (with no page cache of
+        the mount's own in front: the next epoch reads tier 1 again)."""
+        return self.loads(entry) or (self._kernel_reads() and self._whole(entry))
+
+    def load(self, entry: Entry) -> tuple[Entry, bytes | None]:
+        """(In a worker) an open entry, verified if it `loads`, and its bytes for the
+        daemon's reads (bodies.py); with passthrough the kernel reads the file, so
+        its pages are kept instead. Released if this fails other than by tier 1
+        lacking or spoiling the bytes (the read path refetches those)."""
+        if not self.loads(entry):
             return entry, None
+        kernel = self._kernel_reads()
         try:
-            return entry, entry.read_whole()
-        except (KeyError, ChunkCorrupt):  # evicted meanwhile, or corrupt: the read path refetches
+            body = entry.read_whole(keep_pages=kernel)
+        except (KeyError, ChunkCorrupt):
             return entry, None
         except BaseException:
             self.cache.release(entry)
             raise
+        return entry, None if kernel else body
 
     async def read(
         self, entry: Entry, state: ReadState, off: int, size: int, settings: ClassSettings
@@ -127,26 +164,32 @@ class ReadPath:
         return data
 
     def release(self, key: str, entry: Entry) -> None:
-        """A read handle of `key` was closed: its entry is released by `run_releases`."""
+        """A read handle of `key` was closed: its entry is released by `run`."""
         self.walk_ahead.done_reading(key)
+        self._release_later(entry)
+
+    def _release_later(self, entry: Entry) -> None:
         self._releasing.append(entry)
         self._release_due.set()
 
-    async def run_releases(self) -> None:
-        """For the mount's life (in its nursery): release the entries of closed read
-        handles, all those closed since the last batch in one worker hop and one
-        index transaction (Cache.release_many). A walk through 10,000 small
-        files closes one a file: a hop and a commit each were a fifth of the
-        daemon's CPU (issue 21), so a batch waits RELEASE_GATHER_S for the
-        closes that follow its first. An entry released a few ms late only
-        stays unevictable that long. What is left at shutdown is released then."""
+    async def run(self) -> None:
+        """For the mount's life (in its nursery): open ahead what warm walks want
+        (prepared.py) and release the entries of closed read handles, all those
+        closed since the last batch in one worker hop and one index transaction
+        (Cache.release_many). A walk through 10,000 small files closes one a
+        file: a hop and a commit each were a fifth of the daemon's CPU (issue
+        21), so a batch waits RELEASE_GATHER_S for the closes that follow its
+        first. An entry released a few ms late only stays unevictable that long.
+        What is left at shutdown (entries opened ahead included) is released then."""
         try:
-            while True:
-                await self._release_due.wait()
-                if len(self._releasing) < RELEASE_BATCH_MAX:
-                    await trio.sleep(RELEASE_GATHER_S)
-                self._release_due = trio.Event()
-                await self._release_batch()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.prepared.run)
+                while True:
+                    await self._release_due.wait()
+                    if len(self._releasing) < RELEASE_BATCH_MAX:
+                        await trio.sleep(RELEASE_GATHER_S)
+                    self._release_due = trio.Event()
+                    await self._release_batch()
         finally:
             with trio.CancelScope(shield=True):
                 await self._release_batch()

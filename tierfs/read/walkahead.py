@@ -83,23 +83,32 @@ class WalkAhead:
         self._reading: Counter[str] = Counter()  # keys open by readers (handles.py)
         self.fetched = 0  # objects fetched ahead (status, tests)
 
-    def opened(self, key: str, present: bool) -> None:
+    def opened(self, key: str, present: bool) -> list[ObjectInfo]:
         """The reader opened object `key` (from the trio loop), whole in tier 1 or
-        not (`present`): queue what its walk wants next, if this open continues
-        one. A walk over objects tier 1 held before (not fetched ahead here: a
-        warm pass) is followed but fetches nothing: each look would cost a
-        worker hop per file for nothing."""
+        not (`present`): if this open continues a walk, the objects its walk wants
+        next. A walk over objects tier 1 held before (not fetched ahead here: a
+        warm pass) gets them back, to be opened ahead (prepared.py: their next
+        files are most likely in tier 1 too); for any other walk they are queued
+        for fetching and none is returned."""
         directory, _, name = key.rpartition("/")
         order = self._order(directory)
         if order is None or name not in order.pos:
-            return
-        ahead = self.walks.opened(directory, order.pos[name], len(order.names))
-        if present and not self._ahead.pop(key, False) and key not in self._wanted:
-            return
-        for p in ahead:
+            return []
+        infos = []
+        for p in self.walks.opened(directory, order.pos[name], len(order.names)):
             inode = order.children.get(order.names[p])
             info = self._stored(inode) if inode is not None else None
-            if info is None or not 0 < info.size <= self.whole_max or info.key in self._wanted:
+            if info is not None and 0 < info.size <= self.whole_max:
+                infos.append(info)
+        if present and not self._ahead.pop(key, False) and key not in self._wanted:
+            return infos
+        self.fetch(infos)
+        return []
+
+    def fetch(self, infos: list[ObjectInfo]) -> None:
+        """Fetch these objects ahead of their reader, as many as the queue takes."""
+        for info in infos:
+            if info.key in self._wanted:
                 continue
             try:
                 self._send.send_nowait(info)
