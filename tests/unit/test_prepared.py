@@ -106,6 +106,21 @@ async def test_a_warm_walk_finds_its_entries_opened_and_verified(
     assert cache.stats().open_objects == 0  # what was left ahead is released at shutdown
 
 
+async def test_a_cold_walk_opens_what_it_fetched_ahead(cache: Cache, store: Recorded) -> None:
+    children, infos = directory(store, [SMALL_CHUNK // 2] * N)
+    async with trio.open_nursery() as n:
+        path = read_path(store, cache, n, children, infos)
+        for info in sorted(infos.values(), key=lambda i: i.key):
+            h = await path.open(info.key, info.etag, info.size, info.mtime, DATASET)
+            await h.release()
+            await until(lambda: not path.walk_ahead._wanted and settled(path))
+        taken = path.prepared.taken
+        n.cancel_scope.cancel()
+    # fetched ahead from the walk's third open on, each then opened ahead
+    assert taken == N - 3
+    assert sorted(store.gets) == [(0, SMALL_CHUNK // 2)] * (N - 3)
+
+
 async def test_entries_nobody_takes_are_released(
     restarted: Restarted, mock_clock: trio.testing.MockClock
 ) -> None:

@@ -70,6 +70,7 @@ class ReadPath:
         self.prepared = PreparedOpens(cache, workers, read_soon=self.read_soon, load=self.load,
                                       offer=reader.bodies.offer, release=self._release_later,
                                       absent=walk_ahead.fetch)
+        walk_ahead.on_fetched = self.prepared.want
 
     async def open(
         self, key: str, etag: str, size: int, mtime: float, settings: ClassSettings

@@ -8,7 +8,8 @@ positions of the directory's listing (sorted names, as `ls` and the store list
 them); this module turns what it asks for into whole-object fetches into tier
 1, so the reader's next opens find their objects there (and their bytes in
 memory: bodies.py) or already in flight (the open waits for that fetch:
-`reading`). A fetch ahead is one worker hop: GET and `Cache.put_whole`.
+`reading`). A fetch ahead is one worker hop: GET and `Cache.put_whole`; what
+it fetched is then opened ahead (`on_fetched`, prepared.py), a batch per hop.
 
 Bounds: at most `parallel` fetches at a time (one GET slot is left to demand
 reads), each taking its object's bytes from the memory budget while in
@@ -82,6 +83,9 @@ class WalkAhead:
         self._flying: dict[str, trio.Event] = {}  # keys being fetched ahead now
         self._reading: Counter[str] = Counter()  # keys open by readers (handles.py)
         self.fetched = 0  # objects fetched ahead (status, tests)
+        # Objects just fetched ahead, to be opened ahead too (ReadPath wires it to
+        # prepared.py: their reader's open then needs no hop of its own).
+        self.on_fetched: Callable[[list[ObjectInfo]], None] = lambda infos: None
 
     def opened(self, key: str, present: bool) -> list[ObjectInfo]:
         """The reader opened object `key` (from the trio loop), whole in tier 1 or
@@ -177,6 +181,7 @@ class WalkAhead:
         self.reader.bodies.offer(info.key, info.etag, body)  # its reader's read: no hop
         self.fetched += 1
         self._ahead[info.key] = True
+        self.on_fetched([info])
         if len(self._ahead) > 2 * QUEUED:
             self._ahead.popitem(last=False)
 
