@@ -58,7 +58,7 @@ class PreparedOpens:
         self._opening: dict[str, trio.Event] = {}
         self._ready: OrderedDict[str, tuple[Entry, float]] = OrderedDict()  # key -> entry, when
         self._due = trio.Event()
-        self.taken = 0  # opens that found their entry ready (status, tests)
+        self.taken = 0  # opens that found their entry ready (tests)
 
     def want(self, infos: list[ObjectInfo]) -> None:
         """Open these objects ahead of their reader (from the trio loop)."""
