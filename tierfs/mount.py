@@ -144,7 +144,8 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
         reads = ReadPath(reader, cache, workers, health, prefetch_globs=cfg.prefetch_globs,
                          prefetch_min_size=cfg.prefetch_min_size,
                          observe_latency=metrics.read_latency, settle=queued.drain_entry,
-                         walk_ahead=walk_ahead, kernel_reads=lambda: modes.mode.enabled)
+                         walk_ahead=walk_ahead, kernel_reads=lambda: modes.mode.enabled,
+                         refresh=ns.refresh)
         quarantine = Quarantine(cache_dir / "quarantine", cache)
         conflicts = Conflicts(cache_dir / "conflicts", cache)
         streams = Streams(store, cache, journal, workers, upload_parts, queued,

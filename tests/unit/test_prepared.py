@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -63,7 +64,8 @@ def read_path(store: Recorded, cache: Cache, n: trio.Nursery, children: dict[str
                     StoreHealth(probe_every=5.0), prefetch_globs=(), prefetch_min_size=1 << 30,
                     observe_latency=lambda s: None, settle=no_settle,
                     walk_ahead=walk_ahead(store, cache, n, children, infos),
-                    kernel_reads=lambda: True)
+                    kernel_reads=lambda: True,
+                    refresh=partial(trio.to_thread.run_sync, store.store.head))
     n.start_soon(path.run)
     return path
 

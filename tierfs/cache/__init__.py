@@ -331,6 +331,19 @@ class Cache:
         assert e is not None
         return e
 
+    def open_seen(self, key: str, etag: str, size: int, mtime: float) -> Entry | None:
+        """`open` of the version a caller saw in the namespace, where ETag "" is a
+        file this mount wrote (the namespace learns no ETag for it until its
+        upload lands): whatever tier 1 holds for the key, in any state. Its upload
+        may land between the caller's look and this open, turning the record
+        clean under the store's ETag, and `open(key, "", 0)` would drop that as
+        another version and serve an empty file (a read right after an
+        os.replace read 0 bytes now and then). None if tier 1 holds nothing for
+        it (landed and evicted since): the caller asks the store."""
+        if etag:
+            return self.open(key, etag, size, mtime)
+        return self._acquire(key, None, touch=True)
+
     def open_existing(self, key: str) -> Entry | None:
         """The entry of an object the index already holds, in whatever state; None if
         unknown. Not a use for eviction (the uploader and recovery open this way)."""

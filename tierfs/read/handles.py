@@ -27,7 +27,7 @@ from tierfs.read.prepared import PreparedOpens
 from tierfs.read.reader import Reader
 from tierfs.read.streams import ReadState
 from tierfs.read.walkahead import WalkAhead
-from tierfs.store.base import StoreError
+from tierfs.store.base import ObjectInfo, StoreError
 from tierfs.workers import Workers
 
 log = logging.getLogger(__name__)
@@ -47,10 +47,12 @@ class ReadPath:
         settle: Callable[[Entry], Awaitable[None]],
         walk_ahead: WalkAhead,
         kernel_reads: Callable[[], bool],
+        refresh: Callable[[str], Awaitable[ObjectInfo]],
     ) -> None:
         self.reader = reader
         self.walk_ahead = walk_ahead
         self.settle = settle
+        self.refresh = refresh  # the store's current version of a key (Namespace.refresh)
         # Whether the kernel reads a verified object's tier-1 file itself (passthrough
         # on): the file's pages are then worth keeping and its bytes in memory not.
         self._kernel_reads = kernel_reads
@@ -84,7 +86,13 @@ class ReadPath:
         if ready is not None:
             entry = ready
         else:
-            entry, body = await self.workers.disk(self._open, key, etag, size, mtime)
+            opened = await self.workers.disk(self._open, key, etag, size, mtime)
+            if opened is None:  # this mount's file, landed and evicted since the look
+                info = await self.refresh(key)
+                etag, size = info.etag, info.size
+                opened = await self.workers.disk(self._open, key, etag, size, info.mtime)
+                assert opened is not None
+            entry, body = opened
             if body is not None:
                 self.reader.bodies.offer(key, entry.etag, body)
         try:
@@ -99,9 +107,12 @@ class ReadPath:
             self.prepared.want(warm)
         return ReadHandle(self, key, entry, settings)
 
-    def _open(self, key: str, etag: str, size: int, mtime: float) -> tuple[Entry, bytes | None]:
-        """(In a worker) the tier-1 entry of an object, loaded (`load`) in the same hop."""
-        return self.load(self.cache.open(key, etag, size, mtime))
+    def _open(self, key: str, etag: str, size: int, mtime: float) -> tuple[Entry, bytes | None] | None:
+        """(In a worker) the tier-1 entry of an object, loaded (`load`) in the same
+        hop; None for a file this mount wrote (`etag` "") that tier 1 no longer
+        holds (Cache.open_seen)."""
+        entry = self.cache.open_seen(key, etag, size, mtime)
+        return None if entry is None else self.load(entry)
 
     def _whole(self, entry: Entry) -> bool:
         """A whole small clean object in tier 1."""

@@ -42,7 +42,7 @@ class WriteBack:
         """A writable open of an existing file (O_TRUNC truncates it); `attrs`, its
         POSIX attributes if known, go with its next upload."""
         settings = self.ctx.policy.settings(key)
-        entry = await self.ctx.open_entry(key, etag, size, mtime)
+        entry, etag = await self.ctx.open_seen(key, etag, size, mtime)
         pf = self.journal.track(key, entry.size, entry.mtime)
         if pf.attrs is None:
             pf.attrs = attrs

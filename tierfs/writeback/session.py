@@ -68,6 +68,17 @@ class WriteContext:
     async def open_entry(self, key: str, etag: str, size: int, mtime: float) -> Entry:
         return await self.workers.disk(self.cache.open, key, etag, size, mtime)
 
+    async def open_seen(self, key: str, etag: str, size: int, mtime: float) -> tuple[Entry, str]:
+        """The entry of the version the namespace showed (Cache.open_seen: ETag "" is
+        this mount's file, whatever became of it), and that version's store ETag
+        ("" while only local). The store's current version if tier 1 no longer
+        holds this mount's file (landed and evicted since the look)."""
+        entry = await self.workers.disk(self.cache.open_seen, key, etag, size, mtime)
+        if entry is None:
+            info = await self.refresh(key)
+            return await self.open_entry(key, info.etag, info.size, info.mtime), info.etag
+        return entry, etag or (entry.etag if entry.state == "clean" else "")
+
     async def release_entry(self, entry: Entry) -> None:
         await self.workers.disk(self.cache.release, entry)
 
