@@ -13,6 +13,7 @@ import errno
 import stat
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 
 import pyfuse3
 
@@ -193,15 +194,17 @@ class TreeChanges:
             else:
                 self.ns.unlinking(dst)
         target = join(self.ns.get(parent_new).path, new)
+        # The write path moves the namespace itself, before anything can land under
+        # the new name (writeback/core.py).
+        moved = partial(self.ns.move, parent_old, old, parent_new, new)
         if src.is_dir:
-            copied = await self.wb.rename_tree(src.key, f"{target}/")
+            copied = await self.wb.rename_tree(src.key, f"{target}/", moved)
         elif (self.ns.policy.settings(target).write_mode == "publish"
               and self.ns.stat(src)[0].kind == stat.S_IFREG):  # `ln -sfn`: a symlink moves
             copied = await self.wb.publish_rename(
-                src.path, target, if_match=(dst.etag or None) if dst is not None else None)
+                src.path, target, moved, if_match=(dst.etag or None) if dst is not None else None)
         else:
-            copied = await self.wb.rename_file(src.path, target)
-        self.ns.move(parent_old, old, parent_new, new)
+            copied = await self.wb.rename_file(src.path, target, moved)
         for info in copied:
             await self.ns.uploaded(info.key, info)
         await self.ns.remember()

@@ -371,8 +371,9 @@ def test_open_right_after_a_replace_sees_the_new_bytes(
         else:
             with open(d / "x.pt", "r+b") as f:
                 got = f.read()
-        if got != data:
-            wrong.append((i, len(got), len(data)))
+        size = os.stat(d / "x.pt").st_size
+        if got != data or size != len(data):
+            wrong.append((i, len(got), size, len(data)))
     assert wrong == []
     flush(m)
     assert obj(s3_server, bucket, "ck/x.pt") == data

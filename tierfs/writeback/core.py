@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
 
-from tierfs.config import FLUSH_STALL
 from tierfs.posix import Attrs, Known, listing_misleads, to_metadata
 from tierfs.store.base import UNREACHABLE_KINDS, ObjectInfo, Store, StoreError
 from tierfs.writeback.barrier import Barrier, FlushOutcome, Progress
@@ -189,16 +189,29 @@ class WriteBack:
         await self.workers.disk(self.cache.remove, prefix)
         await self.workers.meta(self.store.delete, prefix)
 
-    async def rename_file(self, old: str, new: str) -> list[ObjectInfo]:
+    # Every rename calls `moved` (the namespace's move) once the bytes are under
+    # the new name and before anything can land under it: an upload that landed
+    # under a name the namespace did not show yet left the moved node without its
+    # ETag and size (stat said 0 bytes: safetensors' load_file of a file just
+    # renamed with its directory failed "header too small" about 1 run in 3).
+
+    async def rename_file(self, old: str, new: str, moved: Callable[[], None]) -> list[ObjectInfo]:
         """A file with local bytes is re-keyed here (a journal update); a stored one is
         copied server-side and deleted. Returns the store attributes of what was copied."""
-        if await self._move_local(old, new):
+        pf = await self._move_local(old, new)
+        if pf is not None:
+            try:
+                moved()
+            finally:
+                self._hand_over_moved(pf)
             # An older version of `old` may be in the store; it must not survive the rename.
             await self.workers.meta(self.store.delete, old)
             return []
-        return [await self._move_stored(old, new)]
+        info = await self._move_stored(old, new)
+        moved()
+        return [info]
 
-    async def publish_rename(self, old: str, new: str, *,
+    async def publish_rename(self, old: str, new: str, moved: Callable[[], None], *,
                              if_match: str | None) -> list[ObjectInfo]:
         """os.replace(tmp, manifest) is the commit point of a checkpoint: published
         like a manifest close. A file pending here is re-keyed and its barrier
@@ -213,8 +226,9 @@ class WriteBack:
             # would be dropped as a publish that failed in close): this does.
             pf.renaming = True
             try:
-                moved = await self._move_local(old, new, hand_over=False)
-                if moved:
+                local = await self._move_local(old, new) is not None
+                if local:
+                    moved()
                     await self.workers.disk(self.cache.sync)  # the commit point survives a power loss
                     await self.workers.meta(self.store.delete, old)  # an older stored version of it
                     if inherited is not None:  # replaces one never published: the same store version
@@ -225,7 +239,7 @@ class WriteBack:
                         await self.ctx.publisher.journal_barrier(pf, if_match=if_match)
             finally:
                 pf.renaming = False
-            if moved:
+            if local:
                 if pf.sealed and not pf.sessions and not pf.gone.is_set():
                     self.ctx.hand_over(pf)
                 return []
@@ -248,19 +262,14 @@ class WriteBack:
             await self._supersede(dst)
         await self.workers.disk(self.cache.remove, new)
         await self.delete(old)
+        moved()
         return [info]
 
-    async def rename_tree(self, old: str, new: str) -> list[ObjectInfo]:
+    async def rename_tree(self, old: str, new: str, moved: Callable[[], None]) -> list[ObjectInfo]:
         """Directory rename (`old`, `new` are 'a/b/' prefixes): every object below is
-        moved one by one (S3 has no atomic rename); markers keep empty dirs."""
-        # What is pending below lands first (the barrier starts it at once), then
-        # moves as stored objects. Re-keying pending files while their uploads
-        # ran left the writer's mount reading some of them empty now and then
-        # (tests/ml/test_savers.py::test_trainer_style_checkpoint_directory_rename,
-        # about 2 runs in 5): until that race is found, a directory rename pays
-        # the uploads and server-side copies, as it did when a manifest's close
-        # waited for them.
-        await self.barrier.flush(old, stall=FLUSH_STALL)
+        moved one by one (S3 has no atomic rename); markers keep empty dirs. Files
+        with local bytes are re-keyed first; their uploads start once the
+        namespace moved, after the copies."""
         pending = self.journal.under(old)
         for pf in pending:  # nothing lands under the old names between the listing and the move
             await self.uploader.stop(pf)
@@ -268,36 +277,47 @@ class WriteBack:
         local = [pf.key for pf in pending if self.journal.get(pf.key) is pf]
         for key in {*keys, *dirs, *local}:  # every new key must fit before anything moves
             self.store.check_key(new + key[len(old):])
-        moved = set()
-        for key in local:
-            if await self._move_local(key, new + key[len(old):]):
-                moved.add(key)
-        copied = []
-        for key in keys:
-            if key in moved:  # pending under the new name already; this is a stale version
-                await self.workers.meta(self.store.delete, key)
-                continue
-            copied.append(await self._move_stored(key, new + key[len(old):]))
-        for d in [old, *dirs]:
-            await self.workers.meta(self.store.put_bytes, new + d[len(old):], b"")
-        for d in [*reversed(dirs), old]:
-            await self.workers.meta(self.store.delete, d)
+        rekeyed: list[PendingFile] = []
+        try:
+            stale = set()
+            for key in local:
+                got = await self._move_local(key, new + key[len(old):])
+                if got is not None:
+                    got.renaming = True  # a release meanwhile leaves its hand-over to this
+                    rekeyed.append(got)
+                    stale.add(key)
+            copied = []
+            for key in keys:
+                if key in stale:  # pending under the new name already; this is a stale version
+                    await self.workers.meta(self.store.delete, key)
+                    continue
+                copied.append(await self._move_stored(key, new + key[len(old):]))
+            for d in [old, *dirs]:
+                await self.workers.meta(self.store.put_bytes, new + d[len(old):], b"")
+            for d in [*reversed(dirs), old]:
+                await self.workers.meta(self.store.delete, d)
+            moved()
+        finally:
+            for pf in rekeyed:
+                pf.renaming = False
+                self._hand_over_moved(pf)
         return copied
 
-    async def _move_local(self, old: str, new: str, *, hand_over: bool = True) -> bool:
+    async def _move_local(self, old: str, new: str) -> PendingFile | None:
         """Re-key a file with local bytes, with its writers and its queued writes
-        (it takes the class of its new name). False if `old` has none here (a
-        stored object: only a store-side copy puts its bytes under `new`)."""
+        (it takes the class of its new name); the caller hands it over
+        (`_hand_over_moved`). None if `old` has none here (a stored object: only a
+        store-side copy puts its bytes under `new`)."""
         pf = self.journal.get(old)
         if pf is None or not pf.local:
-            return False
+            return None
         async with pf.lock:
             await self.uploader.stop(pf)
             if self.journal.get(old) is not pf or not pf.local:
                 # Its upload landed (or it went) while this waited: it is a stored
                 # object now. Re-keying it would put back a record nothing uploads,
                 # and the caller's delete of `old` would take the only copy.
-                return False
+                return None
             held = await self.workers.disk(self.cache.held, old)
             if held is not None:
                 await self.ctx.queued.drain_entry(held)  # files move with the bytes written
@@ -307,9 +327,11 @@ class WriteBack:
                 await self._supersede(dst)
             await self.workers.disk(self.cache.rename, old, new)
             self.journal.rekey(pf, new)
-        if hand_over and pf.sealed and not pf.sessions and not self.ctx.hand_over(pf):
+        return pf
+
+    def _hand_over_moved(self, pf: PendingFile) -> None:
+        if pf.sealed and not pf.sessions and not self.ctx.hand_over(pf):
             self.uploader.kick(pf)  # acknowledged under its old name's class: it lands
-        return True
 
     async def _move_stored(self, old: str, new: str) -> ObjectInfo:
         dst = self.journal.get(new)
