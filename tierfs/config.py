@@ -218,6 +218,11 @@ DEFAULT_RULES: tuple[tuple[str, str], ...] = (
     (".tmp??????", "staged"),
     ("tmp????????", "staged"),
     ("tmp????????.*", "staged"),
+    # Hugging Face Trainer (transformers 4.36) wrote a checkpoint into this
+    # directory, then renamed it to checkpoint-N: uploads begun under it were
+    # stopped by the rename (in-flight parts finished first: 1.8 s of a 1 GiB
+    # checkpoint's rename) or copied server-side.
+    ("**/tmp-checkpoint-*/**", "staged"),
     (".metadata", "manifest"),
     ("*.index.json", "manifest"),
     ("latest", "manifest"),
