@@ -7,6 +7,11 @@ Stages (PyTorch CPU, safetensors, webdataset; --size state dict / model, default
          torch.save          to model.pt.tmp, fsync, os.replace to model.pt
          safetensors.save    safetensors.torch.save_file
          wds.write           webdataset TarWriter shards
+         trainer.save        Hugging Face Trainer's checkpoint as transformers 4.36
+                             wrote it: model.safetensors, optimizer.pt (half the
+                             state's size), scheduler.pt and trainer_state.json into
+                             tmp-checkpoint-500/, then the directory renamed to
+                             checkpoint-500/ (the commit point)
   read   dcp.load            into a preallocated state dict
          torch.load          torch.load(mmap=True), every page touched
          safetensors.load    safetensors.torch.load_file (mmap), every page touched
@@ -121,6 +126,23 @@ def safetensors_save(d: Path, data: Data) -> int:
     return (d / "model.safetensors").stat().st_size
 
 
+def trainer_save(d: Path, data: Data) -> int:
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    tmp, final = d / "tmp-checkpoint-500", d / "checkpoint-500"
+    tmp.mkdir()
+    save_file(data.state, str(tmp / "model.safetensors"))
+    names = sorted(data.state)
+    torch.save({n: data.state[n] for n in names[: max(1, len(names) // 2)]}, tmp / "optimizer.pt")
+    torch.save({"last_epoch": 3}, tmp / "scheduler.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps({"global_step": 500}))
+    os.rename(tmp, final)
+    return sum(f.stat().st_size for f in final.iterdir())
+
+
 def wds_write(d: Path, data: Data) -> int:
     import webdataset as wds
 
@@ -183,6 +205,7 @@ WRITES: dict[str, Workload] = {
     "torch.save": torch_save,
     "safetensors.save": safetensors_save,
     "wds.write": wds_write,
+    "trainer.save": trainer_save,
 }
 READS: dict[str, Workload] = {
     "dcp.load": dcp_load,
