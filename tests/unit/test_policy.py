@@ -38,6 +38,9 @@ def policy() -> Policy:
         ("notes.txt~", "staged"),
         ("m/.tmpA1b2C3", "staged"),
         ("tmpk3j_a9zq", "staged"),
+        ("out/tmp-checkpoint-500/model.safetensors", "staged"),  # HF Trainer's staging dir
+        ("tmp-checkpoint-500/config.json", "staged"),
+        ("out/checkpoint-500/model.safetensors", "checkpoint"),
         ("tmpk3j_a9zq.pt", "staged"),
         ("tmp", "default"),
         ("tmp/notes.txt", "default"),
