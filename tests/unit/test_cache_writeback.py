@@ -211,6 +211,31 @@ def test_rename_moves_pending_file(tmp_path: Path) -> None:
     c.close()
 
 
+def test_open_seen_of_a_local_file_keeps_its_landed_version(tmp_path: Path) -> None:
+    """The namespace shows a file this mount wrote with ETag "" and size 0; its upload
+    can land before the open reaches tier 1. open_seen takes the landed (clean)
+    record; open(key, "", 0) would drop it as another version and make an empty
+    one (the reads of 0 bytes right after an os.replace)."""
+    c = new_cache(tmp_path / "c")
+    data = os.urandom(2 * CS + 7)
+    e = c.open("ck/x.pt", "", 0, 0.0)
+    e.write(0, data)
+    e.set_state("sealed")
+    e.set_state("clean", etag="landed")  # the uploader, between the look and the open
+    c.release(e)
+    seen = c.open_seen("ck/x.pt", "", 0, 0.0)
+    assert seen is not None
+    assert (seen.state, seen.etag, seen.size) == ("clean", "landed", len(data))
+    assert seen.read(0, len(data)) == data
+    c.release(seen)
+    same = c.open_seen("ck/x.pt", "landed", len(data), 0.0)  # with an ETag: as `open`
+    assert same is not None and same.read(0, len(data)) == data
+    c.release(same)
+    assert c.remove("ck/x.pt")
+    assert c.open_seen("ck/x.pt", "", 0, 0.0) is None  # landed and gone: ask the store
+    c.close()
+
+
 def test_remove_while_open(tmp_path: Path) -> None:
     c = new_cache(tmp_path / "c")
     e = c.open("k", "e", CS, 0.0)
