@@ -365,6 +365,16 @@ class Namespace:
                 if node.is_dir:
                     node.children_expire = -math.inf
 
+    def known_absent(self, parent_inode: int, name: str) -> bool:
+        """Whether the store has no object `name` in that directory as far as this
+        mount knows: the directory's listing is current (or it was made here) and
+        lacks the name."""
+        parent = self._nodes.get(parent_inode)
+        if parent is None or not parent.is_dir or self._listing_stale(parent):
+            return False
+        assert parent.children is not None
+        return name not in parent.children and join(parent.path, name) not in self._by_path
+
     def _listing_stale(self, node: Node) -> bool:
         return (
             node.children is None

@@ -64,9 +64,11 @@ class TreeChanges:
                      who: Caller) -> tuple[Node, WriteSession]:
         self.ns.check_new(parent_inode, name, is_dir=False)
         attrs = self._new_attrs(parent_inode, stat.S_IFREG, perms, who)
+        fresh = self.ns.known_absent(parent_inode, name)
         node = self.ns.add(parent_inode, name, is_dir=False, attrs=attrs)
         try:
-            session = await self.wb.create(node.path, flags=flags, inode=node.inode, attrs=attrs)
+            session = await self.wb.create(node.path, flags=flags, inode=node.inode, attrs=attrs,
+                                           fresh=fresh)
         except BaseException:
             self.ns.remove(parent_inode, name)
             raise

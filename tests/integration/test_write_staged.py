@@ -113,6 +113,40 @@ def test_temp_file_unlinked_or_renamed_costs_no_put_of_its_name(
     assert in_bucket(s3_server, bucket, "run/scratch.tmp") is None
 
 
+def deleted_keys(proxy: FaultProxy) -> list[str]:
+    return [e.path.partition("?")[0].lstrip("/").partition("/")[2]
+            for e in proxy.log if e.op == "delete"]
+
+
+def test_a_replace_deletes_the_temporary_name_only_where_the_store_may_hold_it(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, proxy: FaultProxy,
+) -> None:
+    """os.replace of a temp file created in a directory this mount knows sends no
+    DELETE of the temp name (the store never had it: the DELETE was the whole
+    rename's time, 0.04-0.28 s while a checkpoint uploaded). Where the store
+    may hold an object under that name, it is deleted, as before."""
+    s3_server.client().put_object(Bucket=bucket, Key="old/model.pt.tmp", Body=b"stale")
+    m = mount_factory(f"s3://{bucket}", "--endpoint-url", proxy.endpoint)
+    mp = m.mountpoint
+    os.makedirs(mp / "run")
+    proxy.reset_stats()
+    for step in range(3):
+        with open(mp / "run/model.pt.tmp", "wb") as f:
+            f.write(os.urandom(64 * 1024))
+        os.replace(mp / "run/model.pt.tmp", mp / f"run/model-{step}.pt")
+    assert "run/model.pt.tmp" not in deleted_keys(proxy)
+    payload = os.urandom(64 * 1024)
+    with open(mp / "old/model.pt.tmp", "wb") as f:  # the name the store holds
+        f.write(payload)
+    os.replace(mp / "old/model.pt.tmp", mp / "old/model.pt")
+    assert "old/model.pt.tmp" in deleted_keys(proxy)
+    flush(m)
+    assert sorted(os.listdir(mp / "run")) == ["model-0.pt", "model-1.pt", "model-2.pt"]
+    assert in_bucket(s3_server, bucket, "run/model.pt.tmp") is None
+    assert in_bucket(s3_server, bucket, "old/model.pt.tmp") is None
+    assert in_bucket(s3_server, bucket, "old/model.pt") == payload
+
+
 def test_write_back_waits_a_quiet_delay_and_a_rename_inside_it_costs_no_copy(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, proxy: FaultProxy,
 ) -> None:

@@ -60,11 +60,15 @@ class WriteBack:
                 raise
         return session
 
-    async def create(self, key: str, *, flags: int, inode: int, attrs: Attrs) -> WriteSession:
-        """A new, empty file (or one truncated to nothing by O_CREAT on a stale name)."""
+    async def create(self, key: str, *, flags: int, inode: int, attrs: Attrs,
+                     fresh: bool = False) -> WriteSession:
+        """A new, empty file (or one truncated to nothing by O_CREAT on a stale name).
+        `fresh`: the namespace knows the store has no object under `key`."""
         settings = self.ctx.policy.settings(key)
         now = attrs.mtime_ns / 1e9
+        new = self.journal.get(key) is None
         pf = self.journal.track(key, 0, now)
+        pf.fresh = fresh and (new or pf.fresh)
         pf.attrs = attrs
         async with pf.lock:
             await self.uploader.stop(pf)
@@ -198,14 +202,15 @@ class WriteBack:
     async def rename_file(self, old: str, new: str, moved: Callable[[], None]) -> list[ObjectInfo]:
         """A file with local bytes is re-keyed here (a journal update); a stored one is
         copied server-side and deleted. Returns the store attributes of what was copied."""
-        pf = await self._move_local(old, new)
-        if pf is not None:
+        got = await self._move_local(old, new)
+        if got is not None:
+            pf, fresh = got
             try:
                 moved()
             finally:
                 self._hand_over_moved(pf)
-            # An older version of `old` may be in the store; it must not survive the rename.
-            await self.workers.meta(self.store.delete, old)
+            if not fresh:  # an older version of `old` may be in the store: it must go
+                await self.workers.meta(self.store.delete, old)
             return []
         info = await self._move_stored(old, new)
         moved()
@@ -226,11 +231,13 @@ class WriteBack:
             # would be dropped as a publish that failed in close): this does.
             pf.renaming = True
             try:
-                local = await self._move_local(old, new) is not None
-                if local:
+                got = await self._move_local(old, new)
+                local = got is not None
+                if got is not None:
                     moved()
                     await self.workers.disk(self.cache.sync)  # the commit point survives a power loss
-                    await self.workers.meta(self.store.delete, old)  # an older stored version of it
+                    if not got[1]:  # an older stored version of it
+                        await self.workers.meta(self.store.delete, old)
                     if inherited is not None:  # replaces one never published: the same store version
                         pf.condition = inherited
                     else:
@@ -283,8 +290,8 @@ class WriteBack:
             for key in local:
                 got = await self._move_local(key, new + key[len(old):])
                 if got is not None:
-                    got.renaming = True  # a release meanwhile leaves its hand-over to this
-                    rekeyed.append(got)
+                    got[0].renaming = True  # a release meanwhile leaves its hand-over to this
+                    rekeyed.append(got[0])
                     stale.add(key)
             copied = []
             for key in keys:
@@ -303,11 +310,12 @@ class WriteBack:
                 self._hand_over_moved(pf)
         return copied
 
-    async def _move_local(self, old: str, new: str) -> PendingFile | None:
+    async def _move_local(self, old: str, new: str) -> tuple[PendingFile, bool] | None:
         """Re-key a file with local bytes, with its writers and its queued writes
         (it takes the class of its new name); the caller hands it over
-        (`_hand_over_moved`). None if `old` has none here (a stored object: only a
-        store-side copy puts its bytes under `new`)."""
+        (`_hand_over_moved`). Also whether the store never had an object under
+        `old` (PendingFile.fresh: no DELETE of it needed). None if `old` has none
+        here (a stored object: only a store-side copy puts its bytes under `new`)."""
         pf = self.journal.get(old)
         if pf is None or not pf.local:
             return None
@@ -326,8 +334,9 @@ class WriteBack:
             if dst is not None and dst is not pf:
                 await self._supersede(dst)
             await self.workers.disk(self.cache.rename, old, new)
+            fresh = pf.fresh
             self.journal.rekey(pf, new)
-        return pf
+        return pf, fresh
 
     def _hand_over_moved(self, pf: PendingFile) -> None:
         if pf.sealed and not pf.sessions and not self.ctx.hand_over(pf):

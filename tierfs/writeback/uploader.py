@@ -280,6 +280,7 @@ class Uploader:
         cond = Condition(if_match, if_none_match)
         if pf is not None:
             pf.uploaded = 0
+            pf.fresh = False  # its key may hold an object from here on (a PUT cut short)
         # Parts sent while the file was written (streaming.py) complete here.
         taken = None if pf is None else await self.streams.take(
             pf, key, size, stream_metadata(pf.attrs, pf.mtime_ns),
