@@ -342,12 +342,13 @@ class Cache:
         it (landed and evicted since): the caller asks the store."""
         if etag:
             return self.open(key, etag, size, mtime)
-        return self._acquire(key, None, touch=True)
+        return self.open_existing(key, use=True)
 
-    def open_existing(self, key: str) -> Entry | None:
+    def open_existing(self, key: str, *, use: bool = False) -> Entry | None:
         """The entry of an object the index already holds, in whatever state; None if
-        unknown. Not a use for eviction (the uploader and recovery open this way)."""
-        return self._acquire(key, None, touch=False)
+        unknown. Not a use for eviction unless `use` (the uploader and recovery
+        open this way; a reader's open is one)."""
+        return self._acquire(key, None, touch=use)
 
     def held(self, key: str) -> Entry | None:
         """The entry of `key` if it is open right now (a reference is taken: release

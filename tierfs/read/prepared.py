@@ -137,14 +137,18 @@ class PreparedOpens:
         out: list[tuple[ObjectInfo, Entry | None, Body | None]] = []
         opened: list[tuple[ObjectInfo, Entry]] = []
         for info in batch:
-            known = self.cache.lookup(info.key)
-            if known is None or known.etag != info.etag or known.cached_bytes != info.size:
-                out.append((info, None, None))
-                continue
             try:
-                entry = self.cache.open(info.key, info.etag, info.size, info.mtime)
+                entry = self.cache.open_existing(info.key, use=True)
+                if entry is not None and not (entry.state == "clean" and entry.etag == info.etag
+                                              and entry.size == info.size
+                                              and not entry.missing(0, entry.size)):
+                    self.cache.release(entry)  # another version, or not whole: fetch it
+                    entry = None
             except (OSError, ValueError) as exc:
                 log.debug("opening %r ahead: %s", info.key, exc)
+                continue
+            if entry is None:
+                out.append((info, None, None))
                 continue
             if self._read_soon(entry):
                 entry.will_need()
