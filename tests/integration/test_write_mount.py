@@ -16,6 +16,7 @@ import pytest
 from tests.fault.proxy import FaultProxy, Rule
 from tests.integration.conftest import MountFactory
 from tests.support.mount import (
+    TierfsMount,
     drop_page_cache,
     is_mounted,
     kill_daemon_with_open_writer,
@@ -23,6 +24,8 @@ from tests.support.mount import (
     run_tierfs,
 )
 from tests.support.seaweed import SeaweedServer
+from tierfs.cache import this_boot
+from tierfs.cache.index import SEALED, Index, key_hash
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -251,16 +254,25 @@ def test_kill9_after_close_then_remount_and_flush(
     assert obj(s3_server, bucket, "ckpt/step-1/model.pt") == payload
 
 
+def _checksums_taken(m: TierfsMount) -> None:
+    """Until the checksums every seal left to take are taken (Entry.take_digests)."""
+    deadline = time.monotonic() + 60
+    while m.status()["pending"]["checksums_pending"]:
+        assert time.monotonic() < deadline, "checksums never taken"
+        time.sleep(0.02)
+
+
 def test_close_without_fsync_survives_kill9_and_damaged_bytes_are_never_uploaded(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
 ) -> None:
-    """close(2) of a write-back file seals it (checksums and journal record) without
-    fsyncing its bytes, as on a local disk: a daemon crash loses nothing (the
-    kernel keeps the pages). A machine crash can take bytes never fsynced; this
-    test cannot crash the machine, so it damages the tier-1 copy while no daemon
-    runs, as such a crash would leave it: the next mount finds the mismatch with
-    the seal's checksums, quarantines the file, uploads nothing of it, and flush
-    names it and fails."""
+    """close(2) of a write-back file seals it (journal record and checksums, those
+    of bytes the kernel wrote taken right after) without fsyncing its bytes, as
+    on a local disk: a daemon crash loses nothing (the kernel keeps the pages).
+    A machine crash can take bytes never fsynced; this test cannot crash the
+    machine, so once the checksums are taken it damages the tier-1 copy while no
+    daemon runs, as such a crash would leave it: the next mount finds the
+    mismatch, quarantines the file, uploads nothing of it, and flush names it
+    and fails."""
     cfg = tmp_path / "slow.toml"  # nothing goes up before the kill
     cfg.write_text("[classes.default]\nupload_delay = 600\n")
     cache = tmp_path / "cache-nofsync"
@@ -268,6 +280,7 @@ def test_close_without_fsync_survives_kill9_and_damaged_bytes_are_never_uploaded
     kept, lost = os.urandom(3 * MiB + 5), os.urandom(9 * MiB)
     (m.mountpoint / "kept.bin").write_bytes(kept)
     (m.mountpoint / "lost.bin").write_bytes(lost)
+    _checksums_taken(m)
     m.kill9()
     files = sorted((cache / "objects").iterdir(), key=lambda p: p.stat().st_size)
     assert [f.stat().st_size for f in files][-2:] == [len(kept), len(lost)]
@@ -282,6 +295,53 @@ def test_close_without_fsync_survives_kill9_and_damaged_bytes_are_never_uploaded
     assert "lost.bin" not in keys(s3_server, bucket)
     notes = m2.status()["quarantined"]["files"]
     assert [(n["key"], n["kind"]) for n in notes] == [("lost.bin", "damaged")]
+
+
+def test_a_crash_before_the_checksums_are_taken(
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
+) -> None:
+    """The daemon dies before the checksums of files the kernel wrote are taken.
+    The same boot: the page cache held every byte, the next mount takes them and
+    uploads the files whole. After a machine restart, a file closed without fsync
+    may be torn and nothing can tell: quarantined (kind "unchecked"), flush names
+    it; an fsynced one is trusted. Neither a reboot nor the kill's timing can be
+    produced here: once the daemon is dead, the test stamps the files' markers
+    as such a crash leaves them (Index.mark_unhashed; another boot's id for two)."""
+    cfg = tmp_path / "slow.toml"  # nothing goes up before the kill
+    cfg.write_text("[classes.default]\nupload_delay = 600\n")
+    cache = tmp_path / "cache-unhashed"
+    m = mount_factory(f"s3://{bucket}", "--config", str(cfg), cache_dir=cache)
+    bodies = {name: os.urandom(12 * MiB + i) for i, name in enumerate(
+        ("same-boot.bin", "torn-maybe.bin", "fsynced.bin"))}
+    for name, body in bodies.items():
+        with open(m.mountpoint / name, "wb") as f:
+            f.write(body)
+            if name == "fsynced.bin":
+                f.flush()
+                os.fsync(f.fileno())
+    _checksums_taken(m)
+    m.kill9()
+    index = Index(cache / "index.lmdb")
+    try:
+        with index.write() as wt:
+            for name, boot in (("same-boot.bin", this_boot()),
+                               ("torn-maybe.bin", os.urandom(16)),
+                               ("fsynced.bin", os.urandom(16))):
+                rec = wt.record(key_hash(name))
+                assert rec is not None and rec.state == SEALED
+                wt.drop_all_chunks(rec.fid)  # no checksum taken yet
+                wt.mark_unhashed(rec.fid, boot, name == "fsynced.bin")
+    finally:
+        index.close()
+    m2 = mount_factory(f"s3://{bucket}", "--config", str(cfg), cache_dir=cache,
+                       mountpoint=m.mountpoint)
+    res = run_tierfs("flush", str(m2.mountpoint), env=m2.env, timeout=300)
+    assert res.returncode != 0 and "torn-maybe.bin" in res.stderr, (res.returncode, res.stderr)
+    assert obj(s3_server, bucket, "same-boot.bin") == bodies["same-boot.bin"]
+    assert obj(s3_server, bucket, "fsynced.bin") == bodies["fsynced.bin"]
+    assert "torn-maybe.bin" not in keys(s3_server, bucket)
+    notes = m2.status()["quarantined"]["files"]
+    assert [(n["key"], n["kind"]) for n in notes] == [("torn-maybe.bin", "unchecked")]
 
 
 def test_kill9_mid_upload_then_remount_and_flush(

@@ -7,7 +7,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tierfs.cache import Cache
+import xxhash
+
+from tierfs.cache import Cache, Entry
+from tierfs.cache.objects import HASH_LATER
 
 CS = 4096
 
@@ -148,5 +151,103 @@ def test_an_unwritten_clean_object_goes_back_to_clean(tmp_path: Path) -> None:
     e.end_external()
     e.set_state("sealed")
     assert e.verify() == []
+    c.release(e)
+    c.close()
+
+
+def _written_by_the_kernel(c: Cache, key: str, data: bytes) -> Entry:
+    """A new file whose bytes the kernel wrote (passthrough), not yet sealed."""
+    e = c.open(key, "", 0, 0.0)
+    e.truncate(0)
+    fd = e.begin_external()
+    os.pwrite(fd, data, 0)
+    e.end_external()
+    return e
+
+
+def test_a_seal_of_bytes_the_kernel_wrote_takes_their_checksums_later(tmp_path: Path) -> None:
+    """Reading back a large file the kernel wrote to checksum it was most of a
+    safetensors save's close: the seal records the file with a marker and the
+    checksums follow (`take_digests`, or whoever needs them: the upload)."""
+    data = os.urandom(HASH_LATER + 5 * CS + 3)
+    c = new_cache(tmp_path / "c")
+    e = _written_by_the_kernel(c, "big", data)
+    e.set_state("sealed", durable=False)
+    assert e.unhashed and c.index.unhashed(e._fid) == (c.boot_id, False)
+    assert e.read(0, len(data)) == data  # served meanwhile
+    assert not e.take_digests(limit=7) and e.unhashed
+    expected = xxhash.xxh3_128_hexdigest(b"".join(
+        xxhash.xxh3_64_digest(data[o : o + CS]) for o in range(0, len(data), CS)))
+    assert e.content_digest() == expected  # the upload takes the rest
+    assert not e.unhashed and c.index.unhashed(e._fid) is None
+    assert e.verify() == []
+    c.release(e)
+    c.close()
+    c = new_cache(tmp_path / "c")
+    assert c.finish_seal("big")
+    e = c.open_existing("big")
+    assert e is not None and e.verify() == [] and not e.unhashed
+    assert e.content_digest() == expected
+    c.release(e)
+    c.close()
+
+
+def test_a_small_seal_takes_its_checksums_at_once(tmp_path: Path) -> None:
+    c = new_cache(tmp_path / "c")
+    e = _written_by_the_kernel(c, "small", os.urandom(HASH_LATER))
+    e.set_state("sealed", durable=False)
+    assert not e.unhashed and c.index.unhashed(e._fid) is None
+    c.release(e)
+    c.close()
+
+
+def test_after_a_restart_unhashed_seals_are_trusted_only_within_the_same_boot_or_fsynced(
+    tmp_path: Path,
+) -> None:
+    """A daemon crash before the checksums were taken: in the same boot the page
+    cache kept every byte, so the next start takes them; after a machine restart a
+    file closed without fsync may be torn, and nothing could tell: not trusted.
+    Another boot cannot be produced in a test: the cache is given another boot id."""
+    data = {k: os.urandom(HASH_LATER + CS) for k in ("closed", "fsynced", "fsynced-later")}
+    c = new_cache(tmp_path / "c")
+    for key, body in data.items():
+        e = _written_by_the_kernel(c, key, body)
+        e.set_state("sealed", durable=key == "fsynced")
+        if key == "fsynced-later":
+            e.sync()  # fsync(2) after close(2)
+        assert e.unhashed
+        c.release(e)  # the daemon dies before its checksums were taken
+    c.close()
+    later = Cache(tmp_path / "c", capacity=1 << 30, chunk_size=CS, min_free=0,
+                  boot_id=os.urandom(16))
+    later.bind("file:///src")
+    assert not later.finish_seal("closed")
+    assert later.finish_seal("fsynced") and later.finish_seal("fsynced-later")
+    for key in ("fsynced", "fsynced-later"):
+        e = later.open_existing(key)
+        assert e is not None and not e.unhashed and e.read(0, e.size) == data[key]
+        later.release(e)
+    later.close()
+    same = new_cache(tmp_path / "c")  # this boot: trusted
+    assert same.finish_seal("closed")
+    e = same.open_existing("closed")
+    assert e is not None and e.verify() == [] and e.read(0, e.size) == data["closed"]
+    same.release(e)
+    same.close()
+
+
+def test_a_write_after_an_unhashed_seal_voids_its_pending_checksums(tmp_path: Path) -> None:
+    data = bytearray(os.urandom(HASH_LATER + CS))
+    c = new_cache(tmp_path / "c")
+    e = _written_by_the_kernel(c, "k", bytes(data))
+    e.set_state("sealed", durable=False)
+    e.write(0, b"new bytes")  # dirty again: nothing is left to take of that seal
+    assert not e.unhashed and e.take_digests()
+    data[:9] = b"new bytes"
+    e.set_state("sealed", durable=False)
+    expected = xxhash.xxh3_128_hexdigest(b"".join(
+        xxhash.xxh3_64_digest(data[o : o + CS]) for o in range(0, len(data), CS)))
+    assert e.unhashed and e.content_digest() == expected
+    assert c.index.unhashed(e._fid) is None
     c.release(e)
     c.close()

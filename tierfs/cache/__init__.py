@@ -22,6 +22,7 @@ import os
 import re
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -34,10 +35,12 @@ import xxhash
 from tierfs.cache import listings
 from tierfs.cache.directio import pwrite_all
 from tierfs.cache.index import (
+    ABSENT,
     CLEAN,
     DIRTY,
     FORMAT_VERSION,
     PROBATION,
+    SEALED,
     STORED,
     VERIFIED,
     WRITTEN,
@@ -69,6 +72,18 @@ __all__ = [
 ]
 
 _FID_NAME = re.compile(r"[0-9a-f]{32}")
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def this_boot() -> bytes:
+    """This boot of the machine. Unknown: a fresh value, so every restart of the
+    daemon counts as one of the machine (the safe side)."""
+    try:
+        return uuid.UUID(BOOT_ID.read_text().strip()).bytes
+    except (OSError, ValueError):
+        return os.urandom(16)
+
+
 _STASH_BYTES = 16 << 20  # verified bitmaps kept for closed objects (1 byte per chunk)
 PAGE_STASH_OBJECTS = 4096  # closed objects whose fetched pages are remembered
 
@@ -110,6 +125,7 @@ class Cache:
         capacity: int,
         chunk_size: int = CHUNK_SIZE,
         min_free: int = MIN_FREE_DEFAULT,
+        boot_id: bytes | None = None,
     ) -> None:
         if capacity <= 0 or chunk_size <= 0 or min_free < 0:
             raise ValueError("capacity and chunk_size must be positive, min_free not negative")
@@ -117,6 +133,7 @@ class Cache:
         self.objects_dir = self.root / "objects"
         self.capacity = capacity
         self.min_free = min_free
+        self.boot_id = boot_id or this_boot()
         self._lock_fd = self._take_dir()
         try:
             self.index = Index(self.root / "index.lmdb")
@@ -483,9 +500,12 @@ class Cache:
                 e._resize(size)
                 return e
             n = nchunks(rec.size, self.chunk_size)
+            unhashed = rec.state == SEALED and self.index.unhashed(rec.fid) is not None
             states = self._unstash(rec.fid, n)
             if states is None:
-                states = bytearray(n)
+                # Sealed with checksums still to take: the chunks without one are
+                # this mount's own bytes (finish_seal decides after a restart).
+                states = bytearray((WRITTEN,) if unhashed else (ABSENT,)) * n
                 for i in self.index.present_chunks(rec.fid):
                     if i < n:
                         states[i] = STORED
@@ -503,7 +523,7 @@ class Cache:
                     wt.put(kh, cur, rec)
                 self.account(wt.used_delta)
                 states = bytearray(n)
-            return Entry(
+            e = Entry(
                 self,
                 kh,
                 rec,
@@ -514,6 +534,8 @@ class Cache:
                 touch_ns=touch_ns,
                 reused=True,
             )
+            e._unhashed = unhashed
+            return e
         except BaseException:
             os.close(fd)
             raise
@@ -721,6 +743,28 @@ class Cache:
                 report.append((e.key, bad))
         self.collect_orphans()
         return report
+
+    def finish_seal(self, key: str) -> bool:
+        """After a restart: take the checksums a seal left to take, if its bytes can
+        be vouched for: the machine has not restarted since (its page cache held
+        every byte the writer wrote; a daemon crash loses none), or they were
+        fsynced. False if they cannot (closed without fsync, then the machine went
+        down: a torn file would be uploaded as if whole)."""
+        e = self._acquire(key, None, touch=False)
+        if e is None:
+            return True
+        try:
+            mark = self.index.unhashed(e._fid)
+            if mark is None:
+                return True
+            boot, durable = mark
+            if boot != self.boot_id and not durable:
+                return False
+            while not e.take_digests():
+                pass
+            return True
+        finally:
+            self.release(e)
 
     def collect_orphans(self) -> int:
         """Delete object files without a record (left by a crash between a record

@@ -5,6 +5,9 @@ keys of any length fit (LMDB keys stop at 511 bytes):
 
   objects  key_hash(16)                          -> Record
   chunks   file_id(16) + chunk_index(4, BE)      -> xxh3_64 digest (8)
+           file_id(16) + UNHASHED(4)              -> boot_id(16) + durable(1): a sealed
+                                                    file whose checksums are still
+                                                    being taken (Entry.take_digests)
   order    segment(1) + rank_ns(8, BE) + key_hash(16) -> b""   (clean objects only)
   listings key_hash(prefix)                      -> a kept directory listing (listings.py)
   meta     version, identity, chunk_size, used, protected
@@ -49,6 +52,10 @@ PROBATION, PROTECTED = 0, 1  # segments; eviction.py owns the policy
 # Per-chunk states in an open Entry's in-memory bitmap (the index itself only
 # stores checksums): STORED has a checksum not yet verified by this process.
 ABSENT, STORED, VERIFIED, WRITTEN = 0, 1, 2, 3
+
+# The chunk index of a sealed file's "checksums not taken yet" marker: it lives
+# with the digests, so whatever drops a file's chunk records drops it too.
+UNHASHED = 0xFFFFFFFF
 
 _HDR = struct.Struct("<16sQQdQQBBHH")
 _I64 = struct.Struct("<q")
@@ -197,6 +204,14 @@ class WriteTxn:
         """Delete chunk records; return the indexes that existed."""
         return [i for i in indexes if self.txn.delete(chunk_key(fid, i), db=self.ix.chunks)]
 
+    def mark_unhashed(self, fid: bytes, boot_id: bytes, durable: bool) -> None:
+        """A sealed file's checksums are still to be taken; its bytes are in the page
+        cache of boot `boot_id` (and on disk too if `durable`)."""
+        self.txn.put(chunk_key(fid, UNHASHED), boot_id + bytes((durable,)), db=self.ix.chunks)
+
+    def drop_unhashed(self, fid: bytes) -> None:
+        self.txn.delete(chunk_key(fid, UNHASHED), db=self.ix.chunks)
+
     def drop_all_chunks(self, fid: bytes) -> None:
         cur = self.txn.cursor(db=self.ix.chunks)
         if cur.set_range(fid):
@@ -330,6 +345,12 @@ class Index:
                     out[i] = _bytes(d)
             return out
 
+    def unhashed(self, fid: bytes) -> tuple[bytes, bool] | None:
+        """(boot id, durable) of a sealed file whose checksums are not all taken."""
+        with self.read() as txn:
+            raw = txn.get(chunk_key(fid, UNHASHED), db=self.chunks)
+        return None if raw is None else (_bytes(raw)[:-1], bool(raw[-1]))
+
     def present_chunks(self, fid: bytes) -> Iterator[int]:
         """Indexes with a checksum record: one cursor range scan (loads a bitmap lazily)."""
         with self.read() as txn:
@@ -339,7 +360,9 @@ class Index:
             for k in cur.iternext(values=False):
                 if k[:16] != fid:
                     return
-                yield int.from_bytes(k[16:20], "big")
+                i = int.from_bytes(k[16:20], "big")
+                if i != UNHASHED:
+                    yield i
 
     def kept_listing(self, prefix: str) -> bytes | None:
         with self.read() as txn:

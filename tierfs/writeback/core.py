@@ -14,7 +14,7 @@ from tierfs.posix import Attrs, Known, listing_misleads, to_metadata
 from tierfs.store.base import UNREACHABLE_KINDS, ObjectInfo, Store, StoreError
 from tierfs.writeback.barrier import Barrier, FlushOutcome, Progress
 from tierfs.writeback.journal import Condition, PendingFile
-from tierfs.writeback.quarantine import Note, Quarantine
+from tierfs.writeback.quarantine import UNCHECKED, Note, Quarantine
 from tierfs.writeback.session import WriteContext, WriteSession
 
 log = logging.getLogger(__name__)
@@ -412,7 +412,15 @@ class WriteBack:
         for obj in objs:
             mode = self.ctx.policy.settings(obj.key).write_mode
             rec = records.get(obj.key)
-            if obj.state == "sealed" and (mode == "writeback" or obj.key.endswith("/")):
+            if obj.state == "sealed" and not await self.workers.disk(
+                    self.cache.finish_seal, obj.key):
+                log.error("%r was closed without fsync and the machine restarted before its "
+                          "checksums were taken: quarantined, not uploaded", obj.key)
+                await self.workers.disk(
+                    self.quarantine.keep, obj.key, UNCHECKED,
+                    "closed without fsync; the machine restarted before its checksums were "
+                    "taken, so a torn copy cannot be told from a whole one: not uploaded")
+            elif obj.state == "sealed" and (mode == "writeback" or obj.key.endswith("/")):
                 pf = self.journal.track(obj.key, obj.size, obj.mtime)
                 pf.local, pf.sealed_at = True, time.monotonic()
                 known = Known.unpack((await self.workers.disk(
@@ -452,7 +460,8 @@ class WriteBack:
         return await self.barrier.flush(prefix, stall=stall, progress=progress)
 
     def summary(self, prefix: str = "") -> dict[str, object]:
-        return self.journal.summary(prefix)
+        # (checksums of every sealed file, not only those under `prefix`)
+        return self.journal.summary(prefix) | {"checksums_pending": self.uploader.digesting}
 
     async def notes(self) -> list[Note]:
         """Files kept aside: quarantined, and manifests whose background publish lost its race."""

@@ -35,7 +35,10 @@ log = logging.getLogger(__name__)
 REFUSED = "refused"
 CONFLICT = "conflict"  # a background publish lost its race (publish.py keeps the bytes)
 DAMAGED = "damaged"  # its tier-1 bytes no longer match the checksums taken at its seal
-FAILED_KINDS = frozenset({REFUSED, CONFLICT, DAMAGED})  # what flush and umount report as failures
+# Closed without fsync, then the machine restarted before its checksums were taken
+# (Cache.finish_seal): nothing can tell a torn copy from a whole one.
+UNCHECKED = "unchecked"
+FAILED_KINDS = frozenset({REFUSED, CONFLICT, DAMAGED, UNCHECKED})  # what flush and umount report as failures
 COPY_PIECE = 1 << 20  # bytes per write when a kept file goes back into the cache
 
 

@@ -102,9 +102,12 @@ class WriteContext:
         self.journal.notify()
 
     async def seal_local(self, pf: PendingFile, entry: Entry, *, durable: bool = True) -> None:
-        """Kept here: its checksums and sealed record in the index (a daemon crash
-        loses nothing); `durable`: the file fsynced too (a machine crash neither)."""
+        """Kept here: its sealed record in the index, with its checksums or, for bytes
+        the kernel wrote itself, a mark that they follow (a daemon crash loses
+        nothing); `durable`: the file fsynced too (a machine crash neither)."""
         await self.workers.disk(partial(entry.set_state, "sealed", durable=durable))
+        if entry.unhashed:
+            self.uploader.digest_soon(entry)
         pf.sealed_at = time.monotonic()
         pf.local = True
         pf.size = entry.size

@@ -95,6 +95,9 @@ class Uploader:
         self._heap: list[tuple[float, int, int]] = []
         self._seq = itertools.count()
         self._timer = trio.lowlevel.ParkingLot()
+        self._nursery: trio.Nursery | None = None
+        self._hashing = trio.CapacityLimiter(1)  # checksums taken after seals, one file at a time
+        self.digesting = 0  # sealed files whose checksums are still being taken
 
     # -- the background uploader ------------------------------------------------------
 
@@ -120,9 +123,32 @@ class Uploader:
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self._release_quiet)
             for _ in range(self.max_files):
                 nursery.start_soon(self._worker)
+
+    def digest_soon(self, entry: Entry) -> None:
+        """Take the checksums `entry`'s seal left to take (Entry.take_digests), in the
+        background: done by the time its quiet delay ends, else its upload takes
+        the rest itself."""
+        if self._nursery is not None and self.cache.retain(entry):
+            self.digesting += 1
+            self._nursery.start_soon(self._take_digests, entry)
+
+    async def _take_digests(self, entry: Entry) -> None:
+        # Shielded: a daemon stopped on purpose (umount, SIGTERM before a reboot)
+        # takes them first, so a clean reboot quarantines nothing as unchecked.
+        with trio.CancelScope(shield=True):
+            try:
+                async with self._hashing:
+                    while not await self.workers.disk(entry.take_digests):
+                        pass
+            except OSError as exc:  # its upload tries again, and reports what it finds
+                log.warning("taking the checksums of %r: %s", entry.key, exc)
+            finally:
+                self.digesting -= 1
+                await self.workers.disk(self.cache.release, entry)
 
     async def _release_quiet(self) -> None:
         """Hand files whose quiet delay ended to the workers."""
