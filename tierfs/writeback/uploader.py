@@ -146,6 +146,8 @@ class Uploader:
                         pass
             except OSError as exc:  # its upload tries again, and reports what it finds
                 log.warning("taking the checksums of %r: %s", entry.key, exc)
+            except Exception:  # the uploader must outlive any one file
+                log.exception("taking the checksums of %r failed unexpectedly", entry.key)
             finally:
                 self.digesting -= 1
                 await self.workers.disk(self.cache.release, entry)
