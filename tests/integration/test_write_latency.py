@@ -33,9 +33,10 @@ def p90(xs: list[float]) -> float:
 def test_reads_and_stats_answer_while_a_1gib_file_is_sealed(
     mount_factory: MountFactory, bucket: str, tmp_path: Path
 ) -> None:
-    """While fsync seals a 1 GiB write-back file, O_DIRECT reads through another
-    handle of the same file and stats of other paths answer within 50 ms (p99
-    over the seal). Before: the seal held the entry's lock across the fsync and
+    """While fsync seals a 1 GiB write-back file, and while its checksums are
+    taken after (bytes the kernel wrote through passthrough), O_DIRECT reads
+    through another handle of the same file and stats of other paths keep
+    being answered. Before: the seal held the entry's lock across the fsync and
     the trio loop waited on it, so every request of the mount stalled."""
     cfg = tmp_path / "attr.toml"
     cfg.write_text(NO_ATTR_CACHE)
@@ -92,6 +93,10 @@ def test_reads_and_stats_answer_while_a_1gib_file_is_sealed(
             low[0] -= len(piece)
         seal_start = time.monotonic()
         os.fsync(wfd)
+        deadline = seal_start + 60
+        while m.status()["pending"]["checksums_pending"]:
+            assert time.monotonic() < deadline, "checksums never taken"
+            time.sleep(0.01)
         seal_end = time.monotonic()
     finally:
         stop.set()
@@ -108,11 +113,15 @@ def test_reads_and_stats_answer_while_a_1gib_file_is_sealed(
           f"p99 {p99(during_reads or [0]) * 1e3:.1f} ms; {len(during_stats)} stats "
           f"p99 {p99(during_stats or [0]) * 1e3:.1f} ms")
     assert len(during_reads) >= 3 and len(during_stats) >= 3, (seal_end - seal_start)
-    # A loop blocked by the seal makes a request that came in as it began wait
-    # about the whole seal; a free one answers in milliseconds. The bound leaves
-    # room for a loaded 2-core machine without letting a blocked loop through.
-    bound = max(0.1, (seal_end - seal_start) / 3)
-    assert p99(during_reads) < bound and p99(during_stats) < bound
+    # A loop blocked by the seal makes every request that came in meanwhile wait
+    # until it ends, about half the seal on average; a free one answers in
+    # milliseconds. The bounds leave room for a loaded 2-core machine (and a
+    # read or two behind the fsync's disk writes: the seal alone is ~0.15 s)
+    # without letting a blocked loop through.
+    span = seal_end - seal_start
+    for during in (during_reads, during_stats):
+        assert statistics.median(during) < max(0.02, span / 6), (span, sorted(during))
+        assert p90(during) < max(0.1, span / 3), (span, sorted(during))
 
 
 def test_write_through_closes_do_not_delay_uncached_reads(
