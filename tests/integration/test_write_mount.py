@@ -342,6 +342,9 @@ def test_a_crash_before_the_checksums_are_taken(
     assert "torn-maybe.bin" not in keys(s3_server, bucket)
     notes = m2.status()["quarantined"]["files"]
     assert [(n["key"], n["kind"]) for n in notes] == [("torn-maybe.bin", "unchecked")]
+    log = (cache / "tierfs.log").read_text()
+    assert "'same-boot.bin': checksums taken after a restart (its seal was made in this boot)" in log
+    assert "'fsynced.bin': checksums taken after a restart (its seal was fsynced)" in log
 
 
 def test_kill9_mid_upload_then_remount_and_flush(

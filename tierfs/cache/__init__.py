@@ -762,6 +762,8 @@ class Cache:
                 return False
             while not e.take_digests():
                 pass
+            log.info("%r: checksums taken after a restart (its seal %s)", key,
+                     "was fsynced" if durable else "was made in this boot")
             return True
         finally:
             self.release(e)
