@@ -113,8 +113,10 @@ def print_status(st: dict[str, Any]) -> None:
               f"{human(s.get('put_bytes', 0))}; requests: {req_txt}")
     p = st.get("pending") or {}
     if p.get("available"):
+        hashing = p.get("checksums_pending") or 0
         t.add_row("pending uploads", f"{p.get('count', 0)} files, {human(p.get('bytes', 0))}, "
-                  f"oldest {_duration(p.get('oldest_age_s')) if p.get('count') else '-'}")
+                  f"oldest {_duration(p.get('oldest_age_s')) if p.get('count') else '-'}"
+                  + (f"; checksums still being taken for {hashing}" if hashing else ""))
     else:
         t.add_row("pending uploads", "0 (no write path)")
     mem = st.get("memory") or {}
