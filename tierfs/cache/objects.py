@@ -13,7 +13,9 @@ Locking, two locks per entry:
   sealing (fsync, checksums), going dirty (verifying what stays), punching
   chunks out, the index updates of a store, detaching, the last release. The
   loop never takes it. Such a change marks its state under `_mu`, does its I/O
-  with `_mu` released, and publishes the result under `_mu`.
+  with `_mu` released, and publishes the result under `_mu`. Checksums a seal
+  left to take (`take_digests`) are read with neither lock held and committed
+  under `_io` if that seal still stands.
 Reads and stores pin their chunks under `_mu`, so eviction never punches a
 hole under a pread/pwrite; chunks being punched are held back from new stores
 (`_discarding`). Lock order: `_io`, an LMDB write transaction, `_mu`, then
@@ -1057,7 +1059,8 @@ class Entry:
 
     def content_digest(self) -> str:
         """xxh3-128 over the per-chunk xxh3-64 digests of a sealed object: a whole-object
-        hash that costs no re-read (the chunk digests were recorded at seal time)."""
+        hash that costs no re-read (the chunk digests were recorded at seal time),
+        but of the checksums the seal left to take, taken first."""
         while not self.take_digests():
             pass
         with self._mu:
