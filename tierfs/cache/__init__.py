@@ -523,7 +523,7 @@ class Cache:
                     wt.put(kh, cur, rec)
                 self.account(wt.used_delta)
                 states = bytearray(n)
-            e = Entry(
+            return Entry(
                 self,
                 kh,
                 rec,
@@ -533,9 +533,8 @@ class Cache:
                 cached=rec.cached,
                 touch_ns=touch_ns,
                 reused=True,
+                unhashed=unhashed,
             )
-            e._unhashed = unhashed
-            return e
         except BaseException:
             os.close(fd)
             raise
@@ -750,16 +749,17 @@ class Cache:
         every byte the writer wrote; a daemon crash loses none), or they were
         fsynced. False if they cannot (closed without fsync, then the machine went
         down: a torn file would be uploaded as if whole)."""
+        rec = self.index.record(key_hash(key))  # most seals have none to take: no open
+        mark = None if rec is None else self.index.unhashed(rec.fid)
+        if mark is None:
+            return True
+        boot, durable = mark
+        if boot != self.boot_id and not durable:
+            return False
         e = self._acquire(key, None, touch=False)
         if e is None:
             return True
         try:
-            mark = self.index.unhashed(e._fid)
-            if mark is None:
-                return True
-            boot, durable = mark
-            if boot != self.boot_id and not durable:
-                return False
             while not e.take_digests():
                 pass
             log.info("%r: checksums taken after a restart (its seal %s)", key,

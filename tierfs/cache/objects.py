@@ -159,6 +159,7 @@ class Entry:
         cached: int,
         touch_ns: int | None,
         reused: bool,
+        unhashed: bool = False,
     ) -> None:
         self.key = rec.key
         self.etag = rec.etag
@@ -196,7 +197,7 @@ class Entry:
         self._synced = False  # the sealed bytes are fsynced (by this process)
         # Sealed with some checksums still to take (their chunks WRITTEN, the index
         # holding an UNHASHED marker): `take_digests` takes them after the seal.
-        self._unhashed = False
+        self._unhashed = unhashed
         self._seals = 0  # sealed versions so far: digests of an older one are void
         self._hashing = threading.Lock()  # one `take_digests` step at a time
         self._behind = 0  # writeback started for [0, _behind) (see write)
