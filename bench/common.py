@@ -96,6 +96,27 @@ def read_seq(path: Path | str, bs: int = MiB) -> tuple[float, int]:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def shaped_uploads(port: int, rate: str) -> Iterator[None]:
+    """Bytes sent to 127.0.0.1:`port` (the S3 endpoint) limited to `rate` (tc
+    syntax, e.g. 800mbit) for the duration: a store behind a network link
+    instead of one that shares this machine's cores with the writer. An HTB
+    qdisc on lo whose default class is unlimited; removed on exit."""
+    tc = ["tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "10"]
+    subprocess.run(tc, check=True)
+    try:
+        for cmd in (["class", "add", "dev", "lo", "parent", "1:", "classid", "1:10",
+                     "htb", "rate", "100gbit"],
+                    ["class", "add", "dev", "lo", "parent", "1:", "classid", "1:20",
+                     "htb", "rate", rate, "ceil", rate],
+                    ["filter", "add", "dev", "lo", "protocol", "ip", "parent", "1:0", "prio", "1",
+                     "u32", "match", "ip", "dport", str(port), "0xffff", "flowid", "1:20"]):
+            subprocess.run(["tc", *cmd], check=True, stderr=subprocess.DEVNULL)
+        yield
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)
+
+
 class Bench:
     """One SeaweedFS, one bucket, scratch space, and the mounts made in it."""
 
