@@ -1,4 +1,9 @@
-"""Parts of a write-back file go up while it is written (writeback/streaming.py)."""
+"""Parts of a write-back file go up while it is written (writeback/streaming.py).
+
+Each test runs twice: on the daemon path (every write(2) a FUSE request the
+daemon sees) and with FUSE passthrough (the kernel writes the tier-1 file; the
+daemon follows its length), the default where the kernel has it.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import MountFactory
-from tests.support.mount import kill_daemon_with_open_writer, run_tierfs
+from tests.support.mount import PASSTHROUGH_OFF, kill_daemon_with_open_writer, run_tierfs
 from tests.support.seaweed import SeaweedServer
 
 MiB = 1 << 20
@@ -47,18 +52,31 @@ def wait_for_parts(s3: SeaweedServer, bucket: str, key: str, want: set[int],
 STREAM = "".join(f"[classes.{c}]\nstream_parts = true\n" for c in ("default", "checkpoint", "dataset"))
 
 
-@pytest.fixture
-def streaming(tmp_path: Path) -> list[str]:
+@pytest.fixture(params=["daemon", "passthrough"])
+def streaming(request: pytest.FixtureRequest, tmp_path: Path) -> list[str]:
     cfg = tmp_path / "stream.toml"
     cfg.write_text(STREAM)
-    # Parts follow the writes the daemon sees: writes through FUSE passthrough go
-    # straight to tier 1 (the seal takes them), so these mounts keep the daemon path.
-    return ["--config", str(cfg), "--no-passthrough"]
+    if request.param == "daemon":
+        return ["--config", str(cfg), "--no-passthrough"]
+    if PASSTHROUGH_OFF:
+        pytest.skip("TIERFS_TEST_PASSTHROUGH=0: mounts without passthrough")
+    return ["--config", str(cfg)]
 
 
 def flush(m) -> None:  # type: ignore[no-untyped-def]
     res = run_tierfs("flush", str(m.mountpoint), env=m.env, timeout=300)
     assert res.returncode == 0, res.stderr
+
+
+def check_path(m, streaming: list[str]) -> None:  # type: ignore[no-untyped-def]
+    """The writes took the path the test is about (passthrough: the kernel has it)."""
+    kernel = m.metric("tierfs_opens_total{mode=passthrough,why=writable}")
+    if "--no-passthrough" in streaming:
+        assert kernel == 0
+    elif not m.status()["passthrough"]["enabled"]:
+        pytest.skip(f"no FUSE passthrough here: {m.status()['passthrough']['reason']}")
+    else:
+        assert kernel >= 1
 
 
 def test_parts_go_up_while_the_file_is_written(
@@ -74,6 +92,7 @@ def test_parts_go_up_while_the_file_is_written(
         assert "ckpt.pt" not in [o["Key"] for o in s3_server.client().list_objects_v2(
             Bucket=bucket).get("Contents", [])]
         f.write(data[4 * PART:])
+    check_path(m, streaming)
     flush(m)
     assert obj(s3_server, bucket, "ckpt.pt") == data
     assert open_uploads(s3_server, bucket) == []
@@ -102,10 +121,14 @@ def test_a_part_written_again_after_it_went_up_is_sent_again(
         os.write(fd, local[4 * PART:])
     finally:
         os.close(fd)
+    check_path(m, streaming)
     flush(m)
     assert obj(s3_server, bucket, "rewritten.pt") == bytes(local)
     assert (m.mountpoint / "rewritten.pt").read_bytes() == bytes(local)
     assert open_uploads(s3_server, bucket) == []
+    # Part 1 went up as it is now and was kept (3 and 4 too, if they went up before
+    # the close); part 2 was patched after it went up: sent again at the seal.
+    assert 1 <= m.metric("tierfs_writeback_total{event=streamed_parts}") <= 3
 
 
 def test_kill9_mid_streamed_write_aborts_the_upload_and_quarantines(
@@ -116,7 +139,8 @@ def test_kill9_mid_streamed_write_aborts_the_upload_and_quarantines(
     m = mount_factory(f"s3://{bucket}", *streaming, cache_dir=cache)
     # 512 MiB of a file written and never closed: its first parts are up when the
     # daemon dies.
-    kill_daemon_with_open_writer(m, m.mountpoint / "big.pt", 512 * MiB)
+    kill_daemon_with_open_writer(m, m.mountpoint / "big.pt", 512 * MiB,
+                                 before=lambda: wait_for_parts(s3_server, bucket, "big.pt", {1}))
     assert len(open_uploads(s3_server, bucket)) == 1
     assert list((cache / "streams").glob("*.json")), "the upload id was not journaled"
     m2 = mount_factory(f"s3://{bucket}", *streaming, cache_dir=cache, mountpoint=m.mountpoint)

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -114,9 +115,11 @@ def drop_page_cache() -> None:
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
 
-def kill_daemon_with_open_writer(m: TierfsMount, path: Path, nbytes: int) -> None:
+def kill_daemon_with_open_writer(m: TierfsMount, path: Path, nbytes: int,
+                                 before: Callable[[], None] | None = None) -> None:
     """kill -9 the daemon while another process has written `nbytes` to `path`
-    and not closed it (the crash a quarantine exists for)."""
+    and not closed it (the crash a quarantine exists for); `before` runs between
+    the write and the kill."""
     writer = subprocess.Popen(
         [sys.executable, "-c", "import sys,time; f=open(sys.argv[1],'wb'); "
          f"f.write(b'x'*{nbytes}); f.flush(); print('ok', flush=True); time.sleep(600)",
@@ -124,6 +127,8 @@ def kill_daemon_with_open_writer(m: TierfsMount, path: Path, nbytes: int) -> Non
         stdout=subprocess.PIPE, text=True)
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "ok"
+        if before is not None:
+            before()
         m.kill9()
     finally:
         writer.kill()

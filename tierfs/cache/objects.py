@@ -1062,14 +1062,19 @@ class Entry:
         """xxh3-128 over the per-chunk xxh3-64 digests of a sealed object: a whole-object
         hash that costs no re-read (the chunk digests were recorded at seal time),
         but of the checksums the seal left to take, taken first."""
+        return xxhash.xxh3_128_hexdigest(self.chunk_sums())
+
+    def chunk_sums(self) -> bytes:
+        """The checksums of a sealed object's chunks, in order (8 bytes each), of the
+        checksums the seal left to take, taken first."""
         while not self.take_digests():
             pass
         with self._mu:
             if self._state != SEALED:
-                raise ValueError(f"{self.key!r} is {self.state}: only a sealed entry has a digest")
+                raise ValueError(f"{self.key!r} is {self.state}: only a sealed entry has checksums")
             n = len(self._states)
         digests = self._cache.index.digests(self._fid, range(n))
-        return xxhash.xxh3_128_hexdigest(b"".join(digests[i] for i in range(n)))
+        return b"".join(digests[i] for i in range(n))
 
     def _running_digest(self, i: int) -> bytes | None:
         """Chunk `i`'s checksum if the writes through `write` took it as they went."""

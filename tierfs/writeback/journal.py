@@ -51,6 +51,7 @@ class PendingFile:
         # POSIX attributes to store with the object (None: unknown, only the mtime
         # is stored); a write moves their mtime and ctime (`written`).
         self.attrs: Attrs | None = None
+        self.attrs_set = 0  # chmod/chown/utimens calls (an upload begun before one lacks it)
         self.local = False  # holds bytes the store does not have (written, not landed)
         # Created here under a name the store had no object for, and no upload of it
         # ever began: a rename of it need not DELETE its old name in the store (a
@@ -93,6 +94,7 @@ class PendingFile:
         """chmod, chown, utimens of it: its attributes, their mtime its mtime."""
         self.attrs = attrs
         self.mtime_ns = attrs.mtime_ns
+        self.attrs_set += 1
 
     @property
     def sealed(self) -> bool:

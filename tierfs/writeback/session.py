@@ -256,6 +256,7 @@ class WriteSession:
         self._sealed_stat = (None if self.dirty and self._pristine is None
                              else (st.st_size, st.st_mtime_ns, st.st_ctime_ns))
         self._observed = (st.st_size, st.st_mtime_ns)
+        self._wb.streams.follow(self.pf, self)
         return fd
 
     async def end_pass_through(self) -> None:

@@ -40,7 +40,7 @@ from tierfs.store.base import PERMANENT_KINDS, ObjectInfo, Store, StoreError, pa
 from tierfs.workers import Workers
 from tierfs.writeback.journal import Condition, Journal, PendingFile
 from tierfs.writeback.quarantine import DAMAGED, REFUSED, Quarantine
-from tierfs.writeback.streaming import Stream, Streams, Track, stream_metadata
+from tierfs.writeback.streaming import Stream, Streams, fresh, stream_metadata
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +315,7 @@ class Uploader:
             usable=digest is not None and cond == (None, False))
         if taken is not None:
             assert pf is not None and digest is not None
-            await self._put_streamed(pf, entry, key, size, digest, *taken)
+            await self._put_streamed(pf, entry, key, size, digest, taken)
         elif size <= self.part_size:
             await self._put_whole(pf, entry, key, size, meta, cond)
         else:
@@ -403,7 +403,7 @@ class Uploader:
 
     async def _put_streamed(
         self, pf: PendingFile, entry: Entry, key: str, size: int, digest: str,
-        s: Stream, t: Track,
+        s: Stream,
     ) -> None:
         """Complete the upload the writer's parts went into: parts still as sent are
         kept, the others (the tail, parts written again) go now; the digest
@@ -412,9 +412,11 @@ class Uploader:
         count = -(-size // part)
         etags: list[str] = [""] * count
         todo = []
+        sums = await self.workers.disk(entry.chunk_sums)
+        per = part // entry.chunk_size * 8
         for i in range(count):
             n = min(part, size - i * part)
-            kept = t.fresh(s, i) if n == part else None
+            kept = fresh(s, i, sums[i * per:(i + 1) * per]) if n == part else None
             if kept is not None:
                 etags[i] = kept
                 self._acknowledged(pf, n)
@@ -426,7 +428,7 @@ class Uploader:
 
             async def send(i: int, n: int) -> None:
                 try:
-                    etags[i] = await self.streams.send_part(s, entry, i, n)
+                    etags[i] = (await self.streams.send_part(s, entry, i, n))[0]
                     self._acknowledged(pf, n)
                 finally:
                     slots.release()
