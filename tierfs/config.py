@@ -98,12 +98,17 @@ class ClassSettings:
     # after a remount); other classes list again after a remount.
     keep_listings: bool = False
     # Write-back: parts of a file written front to back go up while it is being
-    # written (writeback/streaming.py), so after close only its tail is left.
-    # Off by default, by measurement: on the 2-core bench VM with the store on the
-    # same cores, 1 GiB dd conv=fsync returned in 4.44 s with it vs 2.25 s without
-    # (Content-MD5 of each part: +2 CPU-s per GiB), in the bucket 19.4 s both ways
-    # (medians of 3, bench/streamparts.py). A writer that takes long
-    # next to an idle store, on a node with cores to spare, gains.
+    # written (writeback/streaming.py; through FUSE passthrough too: the daemon
+    # follows the file's length), so after close only its tail is left. Off by
+    # default, by measurement on the 2-core bench VM, where SeaweedFS takes both
+    # cores during any upload (boto3's upload_file leaves 2% idle): with it the
+    # checkpoint reaches the bucket sooner (1 GiB dd conv=fsync: 7.29 vs 7.91 s;
+    # with uploads limited to 800 Mbit/s, a store behind a link: 11.72 vs 12.70 s,
+    # 1.04x boto3) but the writer waits longer where the cores are shared (dd
+    # 1.38 vs 1.20 s; dcp.save 1.51x ext4 vs 1.05x; Content-MD5 of each part
+    # costs 1.6 CPU-s per GiB). bench/ckptwrite.py --stream [--store-rate],
+    # bench/mlworkloads.py --tierfs-config. A node with cores to spare next to
+    # a remote store gains.
     stream_parts: bool = False
 
 
