@@ -760,8 +760,7 @@ class Cache:
         if e is None:
             return True
         try:
-            while not e.take_digests():
-                pass
+            e.take_all_digests()
             log.info("%r: checksums taken after a restart (its seal %s)", key,
                      "was fsynced" if durable else "was made in this boot")
             return True

@@ -1064,11 +1064,15 @@ class Entry:
         but of the checksums the seal left to take, taken first."""
         return xxhash.xxh3_128_hexdigest(self.chunk_sums())
 
+    def take_all_digests(self) -> None:
+        """Every checksum the seal left to take, in `take_digests` steps."""
+        while not self.take_digests():
+            pass
+
     def chunk_sums(self) -> bytes:
         """The checksums of a sealed object's chunks, in order (8 bytes each), of the
         checksums the seal left to take, taken first."""
-        while not self.take_digests():
-            pass
+        self.take_all_digests()
         with self._mu:
             if self._state != SEALED:
                 raise ValueError(f"{self.key!r} is {self.state}: only a sealed entry has checksums")
