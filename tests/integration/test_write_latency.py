@@ -129,7 +129,7 @@ def test_write_through_closes_do_not_delay_uncached_reads(
 ) -> None:
     """Four concurrent write-through closes of 64 MiB files (each one uploading
     while its close waits) delay no uncached read (a ranged GET) by more than
-    100 ms (p90) beyond what the same 4 KiB ranged GET costs a plain boto3
+    200 ms (p90) beyond what the same 4 KiB ranged GET costs a plain boto3
     client at the same moment: the store itself is busy taking the uploads
     (on a 2-core machine it shares with them), which is not tierfs's delay.
     Before: uploads took the GET worker slots, so reads queued behind whole
@@ -184,4 +184,8 @@ def test_write_through_closes_do_not_delay_uncached_reads(
           f"p90 {p90(lat) * 1e3:.1f} ms max {max(lat) * 1e3:.1f} ms; boto3 4 KiB GETs meanwhile: "
           f"p50 {statistics.median(ref) * 1e3:.1f} ms p90 {p90(ref) * 1e3:.1f} ms")
     assert len(lat) >= 5
-    assert p90(lat) <= p90(ref) + 0.100
+    # 200 ms: tierfs's reads and boto3's alternate, so each p90 is of a dozen or
+    # two moments of a store busy with four uploads; in a loaded CI-like pass they
+    # differed by 118 ms once (0.32 vs 0.20 s; alone 3 of 3 within 100 ms). Reads
+    # queued behind whole uploads, what this guards against, took 1.3-2.3 s.
+    assert p90(lat) <= p90(ref) + 0.200
