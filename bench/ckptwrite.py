@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import subprocess
 import time
+from pathlib import Path
 
 import peers
 from common import (
@@ -65,6 +66,24 @@ def wait_in_bucket(b: Bench, key: str, size: int, timeout: float = 600) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{key} not in the bucket after {timeout:.0f}s")
         time.sleep(0.01)
+
+
+def dd_until_in_bucket(b: Bench, src: Path, mnt: Path, key: str, size: int) -> tuple[float, float]:
+    """dd `src` into mnt/key (its directory made first, page cache dropped), then
+    HEAD polled: seconds until dd returned, and until the object was in the bucket."""
+    drop_caches()
+    (mnt / key).parent.mkdir(parents=True)
+    start = time.perf_counter()
+    took = dd(str(src), str(mnt / key))
+    wait_in_bucket(b, key, size)
+    return took, time.perf_counter() - start
+
+
+def flush(b: Bench, mnt: Path) -> float:
+    start = time.perf_counter()
+    res = run_tierfs("flush", str(mnt), env=b.env, timeout=600)
+    assert res.returncode == 0, res.stderr
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -122,27 +141,18 @@ def main() -> None:
             b.client.upload_file(str(src), "bench", key)
             t["boto3_upload"].append(time.perf_counter() - start)
 
-            drop_caches()
-            key = f"ckpt/step-{run}/model.pt"
-            (m.mountpoint / f"ckpt/step-{run}").mkdir(parents=True)
-            start = time.perf_counter()
-            t["tierfs_dd"].append(dd(str(src), str(m.mountpoint / key)))
-            wait_in_bucket(b, key, args.size)
-            t["tierfs_in_bucket"].append(time.perf_counter() - start)
-            res = run_tierfs("flush", str(m.mountpoint), env=b.env, timeout=600)
-            assert res.returncode == 0, res.stderr
-            t["tierfs_flush_total"].append(time.perf_counter() - start)
+            took, landed = dd_until_in_bucket(b, src, m.mountpoint, f"ckpt/step-{run}/model.pt",
+                                              args.size)
+            t["tierfs_dd"].append(took)
+            t["tierfs_in_bucket"].append(landed)
+            t["tierfs_flush_total"].append(landed + flush(b, m.mountpoint))
 
             if st is not None:
-                drop_caches()
-                key = f"ckpt/stream-{run}/model.pt"
-                (st.mountpoint / f"ckpt/stream-{run}").mkdir(parents=True)
-                start = time.perf_counter()
-                t["tierfs_stream_dd"].append(dd(str(src), str(st.mountpoint / key)))
-                wait_in_bucket(b, key, args.size)
-                t["tierfs_stream_in_bucket"].append(time.perf_counter() - start)
-                res = run_tierfs("flush", str(st.mountpoint), env=b.env, timeout=600)
-                assert res.returncode == 0, res.stderr
+                took, landed = dd_until_in_bucket(
+                    b, src, st.mountpoint, f"ckpt/stream-{run}/model.pt", args.size)
+                t["tierfs_stream_dd"].append(took)
+                t["tierfs_stream_in_bucket"].append(landed)
+                flush(b, st.mountpoint)
 
             for bs in SMALL if pc is not None else ():
                 drop_caches()
@@ -152,17 +162,13 @@ def main() -> None:
                     drop_caches()
                     dst = mnt.mountpoint / f"ckpt/small-{bs}-{run}.pt"
                     t[f"{name}_dd_{bs}"].append(dd(str(src), str(dst), bs))
-                    res = run_tierfs("flush", str(mnt.mountpoint), env=b.env, timeout=600)
-                    assert res.returncode == 0, res.stderr
+                    flush(b, mnt.mountpoint)
 
             for pm in pms:
-                drop_caches()
-                key = f"{pm.name}/step-{run}/model.pt"
-                (pm.mountpoint / f"{pm.name}/step-{run}").mkdir(parents=True)
-                start = time.perf_counter()
-                t[f"{pm.name}_dd"].append(dd(str(src), str(pm.mountpoint / key)))
-                wait_in_bucket(b, key, args.size)
-                t[f"{pm.name}_in_bucket"].append(time.perf_counter() - start)
+                took, landed = dd_until_in_bucket(
+                    b, src, pm.mountpoint, f"{pm.name}/step-{run}/model.pt", args.size)
+                t[f"{pm.name}_dd"].append(took)
+                t[f"{pm.name}_in_bucket"].append(landed)
         med = {k: median(v) for k, v in t.items()}
         size = args.size
         ratios = {"dd_return_vs_local": med["tierfs_dd"] / med["local_dd"],
