@@ -50,7 +50,7 @@ from tierfs.cache.index import (
     key_hash,
     order_key,
 )
-from tierfs.cache.objects import ChunkCorrupt, Entry, nchunks
+from tierfs.cache.objects import ChunkCorrupt, Entry, nchunks, tree_digest
 from tierfs.cache.space import punch_hole
 from tierfs.config import CHUNK_SIZE, MIN_FREE_DEFAULT
 from tierfs.store.base import Listing
@@ -69,6 +69,7 @@ __all__ = [
     "CachedObject",
     "ChunkCorrupt",
     "Entry",
+    "tree_digest",
 ]
 
 _FID_NAME = re.compile(r"[0-9a-f]{32}")

@@ -137,6 +137,12 @@ def _runs(indexes: Iterable[int]) -> Iterator[tuple[int, int]]:
         yield run[0], run[1]
 
 
+def tree_digest(sums: bytes) -> str:
+    """The whole-object digest stored with an upload: xxh3-128 over its chunks'
+    xxh3-64 checksums in order (`Entry.chunk_sums`)."""
+    return xxhash.xxh3_128_hexdigest(sums)
+
+
 def nchunks(size: int, chunk_size: int) -> int:
     return -(-size // chunk_size)
 
@@ -1059,10 +1065,10 @@ class Entry:
             self._cache.index.sync()
 
     def content_digest(self) -> str:
-        """xxh3-128 over the per-chunk xxh3-64 digests of a sealed object: a whole-object
-        hash that costs no re-read (the chunk digests were recorded at seal time),
-        but of the checksums the seal left to take, taken first."""
-        return xxhash.xxh3_128_hexdigest(self.chunk_sums())
+        """`tree_digest` of a sealed object: a whole-object hash that costs no re-read
+        (the chunk digests were recorded at seal time), but of the checksums the
+        seal left to take, taken first."""
+        return tree_digest(self.chunk_sums())
 
     def take_all_digests(self) -> None:
         """Every checksum the seal left to take, in `take_digests` steps."""

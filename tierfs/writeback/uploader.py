@@ -32,7 +32,7 @@ from functools import partial
 import trio
 
 from tierfs.budget import BufferPool
-from tierfs.cache import Cache, ChunkCorrupt, Entry
+from tierfs.cache import Cache, ChunkCorrupt, Entry, tree_digest
 from tierfs.config import UPLOAD_RETRY_CAP, UPLOAD_VERIFY_ATTEMPTS
 from tierfs.health import StoreHealth
 from tierfs.posix import SYMLINK_MAX, Attrs, listing_misleads, upload_metadata
@@ -297,7 +297,8 @@ class Uploader:
         key = key or entry.key
         size = entry.size
         sealed = entry.state == "sealed"
-        digest = await self.workers.disk(entry.content_digest) if sealed else None
+        sums = await self.workers.disk(entry.chunk_sums) if sealed else None
+        digest = None if sums is None else tree_digest(sums)
         # A journaled dir marker (make_dir) is a directory to stores like SeaweedFS,
         # which keep no user metadata on it: its size is its proof.
         meta = {} if key.endswith("/") or digest is None else {
@@ -314,8 +315,8 @@ class Uploader:
             pf, key, size, stream_metadata(pf.attrs, pf.mtime_ns),
             usable=digest is not None and cond == (None, False))
         if taken is not None:
-            assert pf is not None and digest is not None
-            await self._put_streamed(pf, entry, key, size, digest, taken)
+            assert pf is not None and sums is not None
+            await self._put_streamed(pf, entry, key, size, sums, taken)
         elif size <= self.part_size:
             await self._put_whole(pf, entry, key, size, meta, cond)
         else:
@@ -402,17 +403,16 @@ class Uploader:
             raise
 
     async def _put_streamed(
-        self, pf: PendingFile, entry: Entry, key: str, size: int, digest: str,
+        self, pf: PendingFile, entry: Entry, key: str, size: int, sums: bytes,
         s: Stream,
     ) -> None:
         """Complete the upload the writer's parts went into: parts still as sent are
-        kept, the others (the tail, parts written again) go now; the digest
-        follows as a tag."""
+        kept (`sums`: the sealed file's chunk checksums), the others (the tail,
+        parts written again) go now; the digest follows as a tag."""
         part = s.part
         count = -(-size // part)
         etags: list[str] = [""] * count
         todo = []
-        sums = await self.workers.disk(entry.chunk_sums)
         per = part // entry.chunk_size * 8
         for i in range(count):
             n = min(part, size - i * part)
@@ -448,7 +448,7 @@ class Uploader:
             raise
         await self.streams.completed(s)
         self.observe("streamed_parts", count - len(todo))
-        await self.workers.meta(self.store.put_tags, key, {DIGEST_META: digest})
+        await self.workers.meta(self.store.put_tags, key, {DIGEST_META: tree_digest(sums)})
 
     async def _read(self, entry: Entry, off: int, buf: memoryview) -> None:
         got = await self.workers.disk(entry.readinto, off, buf)
