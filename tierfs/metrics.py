@@ -80,6 +80,7 @@ def histogram_quantiles(
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[object, ...], Counter] = {}
         r = self.registry
         self.read_bytes = Counter(
             "tierfs_read_bytes", "Bytes returned to readers, by the tier that served them",
@@ -148,8 +149,17 @@ class Metrics:
         return out
 
     # Hooks called from the hot paths: keep them cheap.
+    def _child(self, metric: Counter, *labels: str) -> Counter:
+        """`metric.labels(*labels)`, looked up once: a warm walk through small files
+        counts three ops per file, and `labels` takes a lock and builds a key."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def read_served(self, tier: str, nbytes: int) -> None:
-        self.read_bytes.labels(tier).inc(nbytes)
+        self._child(self.read_bytes, tier).inc(nbytes)
 
     def store_request(self, op: str, outcome: str, seconds: float, nbytes: int) -> None:
         self.store_requests.labels(op, outcome).inc()
@@ -167,10 +177,10 @@ class Metrics:
         self.writeback_events.labels(event).inc(n)
 
     def meta_op(self, op: str) -> None:
-        self.meta_ops.labels(op).inc()
+        self._child(self.meta_ops, op).inc()
 
     def file_open(self, mode: str, why: str) -> None:
-        self.opens.labels(mode, why).inc()
+        self._child(self.opens, mode, why).inc()
 
     def error(self, kind: str) -> None:
         self.errors.labels(kind).inc()

@@ -132,6 +132,7 @@ class Cache:
             raise ValueError("capacity and chunk_size must be positive, min_free not negative")
         self.root = Path(root)
         self.objects_dir = self.root / "objects"
+        self._objects = str(self.objects_dir) + os.sep  # + fid hex: a path without pathlib per open
         self.capacity = capacity
         self.min_free = min_free
         self.boot_id = boot_id or this_boot()
@@ -482,7 +483,7 @@ class Cache:
             rec = None
         if rec is None:
             return None if want is None else self._create(kh, key, *want, touch_ns=touch_ns)
-        fd = os.open(self.objects_dir / rec.fid.hex(), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(self._objects + rec.fid.hex(), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             if rec.state == DIRTY:
                 # Never sealed: the file itself is the truth, the record may lag behind.
@@ -564,7 +565,7 @@ class Cache:
                     return False
                 self._drop(kh)  # an older version, or a part of this one
             fid = self._new_fid(key, etag)
-            fd = os.open(self.objects_dir / fid.hex(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            fd = os.open(self._objects + fid.hex(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
                 pwrite_all(fd, data, 0)
             finally:
@@ -603,7 +604,7 @@ class Cache:
         with self.index.write() as wt:
             wt.put(kh, None, rec)
         fd = os.open(
-            self.objects_dir / fid.hex(), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600
+            self._objects + fid.hex(), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600
         )
         try:
             # Never an ftruncate to 0: ext4 (auto_da_alloc, meant for replace-by-

@@ -172,7 +172,6 @@ class Entry:
         self.size = size
         self.mtime = rec.mtime
         self.chunk_size = cache.chunk_size
-        self.path = cache.objects_dir / rec.fid.hex()
         self._cache = cache
         self._kh = kh
         self._fid = rec.fid
@@ -261,6 +260,17 @@ class Entry:
             )
 
     # -- read path ---------------------------------------------------------
+
+    @property
+    def path(self) -> Path:
+        """The tier-1 file (quarantine.py links it); not kept: opens make thousands."""
+        return self._cache.objects_dir / self._fid.hex()
+
+    def whole(self) -> bool:
+        """Every chunk present: `not missing(0, size)` without building ranges (asked
+        on each open of a warm walk)."""
+        with self._mu:
+            return ABSENT not in self._states
 
     def missing(self, start: int, end: int) -> list[tuple[int, int]]:
         """Chunk-aligned byte ranges [a, b) absent within [start, end), end clipped

@@ -106,8 +106,7 @@ class ReadPath:
         except BaseException:
             await self.workers.disk(self.cache.release, entry)
             raise
-        warm = self.walk_ahead.opened(key, present=entry.state == "clean"
-                                      and not entry.missing(0, size))
+        warm = self.walk_ahead.opened(key, present=entry.state == "clean" and entry.whole())
         if warm:
             self.prepared.want(warm)
         return ReadHandle(self, key, entry, settings)
@@ -122,7 +121,7 @@ class ReadPath:
     def _whole(self, entry: Entry) -> bool:
         """A whole small clean object in tier 1."""
         return (0 < entry.size <= self.reader.whole_max and entry.state == "clean"
-                and not entry.missing(0, entry.size))
+                and entry.whole())
 
     def loads(self, entry: Entry) -> bool:
         """Whether `load` reads `entry`: a whole small object tier 1 holds all of and
@@ -229,7 +228,7 @@ class ReadPath:
     ) -> None:
         """Model-like file (DESIGN §3.6): fetch it whole into tier 1 in the background,
         holding a reference of its own so a close before the end does not stop it."""
-        if entry.state != "clean" or not entry.missing(0, entry.size):
+        if entry.state != "clean" or entry.whole():
             return
         held = await self.workers.disk(self.cache.open, key, etag, size, mtime)
         if held is not entry:  # replaced meanwhile: leave it to the next open

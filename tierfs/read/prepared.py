@@ -141,7 +141,7 @@ class PreparedOpens:
                 entry = self.cache.open_existing(info.key, use=True)
                 if entry is not None and not (entry.state == "clean" and entry.etag == info.etag
                                               and entry.size == info.size
-                                              and not entry.missing(0, entry.size)):
+                                              and entry.whole()):
                     self.cache.release(entry)  # another version, or not whole: fetch it
                     entry = None
             except (OSError, ValueError) as exc:
