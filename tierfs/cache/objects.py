@@ -272,6 +272,12 @@ class Entry:
         with self._mu:
             return ABSENT not in self._states
 
+    def unverified(self) -> bool:
+        """Some chunk has a checksum this process has not checked yet (STORED): its
+        first read verifies it. For a whole object: not `servable_now(0, size)`."""
+        with self._mu:
+            return STORED in self._states
+
     def missing(self, start: int, end: int) -> list[tuple[int, int]]:
         """Chunk-aligned byte ranges [a, b) absent within [start, end), end clipped
         to the size, adjacent chunks coalesced: what the reader must fetch."""
