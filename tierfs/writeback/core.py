@@ -151,7 +151,7 @@ class WriteBack:
         held = await self.workers.disk(self.cache.held, key)
         if held is not None:
             try:  # POSIX: open descriptors keep reading the file after the name went
-                if held.state == "clean" and held.missing(0, held.size):
+                if held.state == "clean" and not held.whole():
                     await self.ctx.fetch(held, 0, held.size)
                 await self.workers.disk(held.verify)
             finally:
