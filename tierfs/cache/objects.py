@@ -1080,12 +1080,6 @@ class Entry:
                 wt.mark_unhashed(self._fid, self._cache.boot_id, True)
             self._cache.index.sync()
 
-    def content_digest(self) -> str:
-        """`tree_digest` of a sealed object: a whole-object hash that costs no re-read
-        (the chunk digests were recorded at seal time), but of the checksums the
-        seal left to take, taken first."""
-        return tree_digest(self.chunk_sums())
-
     def take_all_digests(self) -> None:
         """Every checksum the seal left to take, in `take_digests` steps."""
         while not self.take_digests():

@@ -315,8 +315,8 @@ class Uploader:
             pf, key, size, stream_metadata(pf.attrs, pf.mtime_ns),
             usable=digest is not None and cond == (None, False))
         if taken is not None:
-            assert pf is not None and sums is not None
-            await self._put_streamed(pf, entry, key, size, sums, taken)
+            assert pf is not None and sums is not None and digest is not None
+            await self._put_streamed(pf, entry, key, size, sums, digest, taken)
         elif size <= self.part_size:
             await self._put_whole(pf, entry, key, size, meta, cond)
         else:
@@ -403,12 +403,12 @@ class Uploader:
             raise
 
     async def _put_streamed(
-        self, pf: PendingFile, entry: Entry, key: str, size: int, sums: bytes,
+        self, pf: PendingFile, entry: Entry, key: str, size: int, sums: bytes, digest: str,
         s: Stream,
     ) -> None:
         """Complete the upload the writer's parts went into: parts still as sent are
         kept (`sums`: the sealed file's chunk checksums), the others (the tail,
-        parts written again) go now; the digest follows as a tag."""
+        parts written again) go now; the digest (`tree_digest(sums)`) follows as a tag."""
         part = s.part
         count = -(-size // part)
         etags: list[str] = [""] * count
@@ -448,7 +448,7 @@ class Uploader:
             raise
         await self.streams.completed(s)
         self.observe("streamed_parts", count - len(todo))
-        await self.workers.meta(self.store.put_tags, key, {DIGEST_META: tree_digest(sums)})
+        await self.workers.meta(self.store.put_tags, key, {DIGEST_META: digest})
 
     async def _read(self, entry: Entry, off: int, buf: memoryview) -> None:
         got = await self.workers.disk(entry.readinto, off, buf)
