@@ -39,6 +39,18 @@ def test_window_doubles_up_to_the_maximum() -> None:
     assert max(len(w.opened("d", pos, N)) for pos in range(12, 400)) <= 64
 
 
+def test_a_full_window_is_topped_up_in_strides_of_half() -> None:
+    """Once the window is at its maximum, the files ahead are asked for half a
+    window at a time (one open-ahead hop per 32 files, not one per file)."""
+    w = Walks(4, 64)
+    got = [len(w.opened("d", pos, N)) for pos in range(400)]
+    steady = got[40:]
+    assert set(steady) == {0, 32}
+    assert steady.count(32) == len(steady) // 32
+    ahead = sum(got)  # positions asked for so far: never less than half a window ahead
+    assert ahead - 400 >= 32
+
+
 def test_eight_cursors_each_in_order_all_fetch_ahead() -> None:
     """xargs -P8 -n64: eight readers, each walking its own batch in order."""
     order = []

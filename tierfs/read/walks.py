@@ -14,8 +14,11 @@ cursor becomes a walk once the next two positions after it were opened, each
 right after the one before; from then on an open shortly after it (within
 SLACK positions: workers a little out of step) continues it, and one shortly
 before it is a worker running a little behind and changes nothing. A walk's
-window of files ahead doubles with each continuation, up to a maximum; an open
-that continues no cursor starts a new one and fetches nothing ahead. A
+window of files ahead doubles with each continuation, up to a maximum, and is
+topped up once half of it is read: half a window at a time, so what is asked
+ahead of a warm walk is opened a batch per worker hop (prepared.py), not one
+hop per file. An open that continues no cursor starts a new one and fetches
+nothing ahead. A
 shuffled reader (a random sampler) opens the very next position of a cursor
 now and then by chance, and twice in a row almost never, so it fetches about
 what it reads (bench/smallfiles.py measures it).
@@ -75,6 +78,8 @@ class Walks:
         if c.hits < 2:
             return range(0)
         c.window = min(max(2 * c.window, self.window_min), self.window_max)
+        if c.ahead - (pos + 1) > c.window // 2:
+            return range(0)  # topped up once half the window is read: strides, not one by one
         start, stop = c.ahead, min(count, pos + 1 + c.window)
         c.ahead = max(c.ahead, stop)
         return range(start, stop)
