@@ -13,7 +13,8 @@ client, a conditional PUT retried after a lost response can see its own write
 and report a spurious precondition failure.
 
 GETs of byte ranges skip boto3's request machinery where they can: a "lean" GET
-signed by botocore's SigV4 signer and sent by the store's own urllib3 pool, with
+signed as botocore's SigV4 signer would sign it (sigv4.py) and sent by the
+store's own urllib3 pool, with
 every answer and failure mapped as boto3's would be (S3Store._plan_lean says
 where it is used, S3Store._get how).
 """
@@ -39,7 +40,6 @@ from urllib.parse import urlsplit, urlunsplit
 import boto3
 import urllib3
 import urllib3.exceptions as u3
-from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest, HeadersDict
 from botocore.client import BaseClient
 from botocore.config import Config
@@ -85,6 +85,7 @@ from tierfs.store.base import (
     part_size_for,
 )
 from tierfs.store.retry import Failure, call_with_retries, time_left
+from tierfs.store.sigv4 import GetSigner
 
 log = logging.getLogger("tierfs.store")
 TYPED_MAX = 1 << 20  # a multipart source up to this size may be typed: copied as multipart
@@ -226,7 +227,7 @@ class _Lean:
     path: str  # the bucket's path, ending in '/': the request target is this + quoted key
     region: str  # signing region
     credentials: Credentials | None  # the client's own (refreshable) credentials
-    config: Config  # the client's: its s3 options make the signer send UNSIGNED-PAYLOAD
+    signer: GetSigner  # as the client's S3SigV4Auth signs (its s3 options: UNSIGNED-PAYLOAD)
     pool: urllib3.HTTPConnectionPool
     timeout: urllib3.Timeout  # connect and read timeouts, both capped by the store deadline
     read_timeout: float  # as configured: a request in an operation gets min(this, time left)
@@ -448,7 +449,8 @@ class S3Store:
             path=url[len(origin) : len(url) - len(quoted)],
             region=seen["region"],
             credentials=credentials,
-            config=config,
+            signer=GetSigner(url, seen["region"], sign_payload=(config.s3 or {}).get(
+                "payload_signing_enabled", True) is not False),
             pool=pool,
             timeout=timeout,
             read_timeout=read_timeout,
@@ -461,9 +463,8 @@ class S3Store:
         if lean.credentials is None:
             raise NoCredentialsError()
         path = lean.path + percent_encode(full, safe="/~")
-        request = AWSRequest(method="GET", url=lean.origin + path, headers=headers)
-        request.context["client_config"] = lean.config
-        S3SigV4Auth(lean.credentials.get_frozen_credentials(), "s3", lean.region).add_auth(request)
+        creds = lean.credentials.get_frozen_credentials()
+        signed = lean.signer.sign(path, headers, creds.access_key, creds.secret_key, creds.token)
         timeout = lean.timeout
         left = time_left()
         if left is not None:  # as _cap_read_timeout does for boto3's requests
@@ -473,7 +474,7 @@ class S3Store:
             return lean.pool.urlopen(
                 "GET",
                 path,
-                headers=dict(request.headers.items()),
+                headers=signed,
                 retries=False,
                 redirect=False,
                 assert_same_host=False,
@@ -755,7 +756,8 @@ class S3Store:
         to the ETag of the first response so versions are never mixed.
 
         Each attempt is one lean GET where the store has a lean path (`_plan_lean`
-        says where): signed by botocore's S3SigV4Auth, sent by the store's own
+        says where): signed as botocore's S3SigV4Auth signs it (sigv4.py, with the
+        signing key kept for the day), sent by the store's own
         urllib3 pool, its body read straight into the caller's buffer. That is
         half the client CPU of boto3's get_object, whose request machinery (events,
         serializing, endpoint rules, parsing) was a third of the daemon's CPU on
