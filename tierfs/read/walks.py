@@ -18,10 +18,9 @@ window of files ahead doubles with each continuation, up to a maximum, and is
 topped up once half of it is read: half a window at a time, so what is asked
 ahead of a warm walk is opened a batch per worker hop (prepared.py), not one
 hop per file. An open that continues no cursor starts a new one and fetches
-nothing ahead. A
-shuffled reader (a random sampler) opens the very next position of a cursor
-now and then by chance, and twice in a row almost never, so it fetches about
-what it reads (bench/smallfiles.py measures it).
+nothing ahead. A shuffled reader (a random sampler) opens the very next
+position of a cursor now and then by chance, and twice in a row almost never,
+so it fetches about what it reads (bench/smallfiles.py measures it).
 
 Pure bookkeeping, no I/O: the read path asks `opened` and fetches what it
 returns.

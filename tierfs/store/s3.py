@@ -14,9 +14,8 @@ and report a spurious precondition failure.
 
 GETs of byte ranges skip boto3's request machinery where they can: a "lean" GET
 signed as botocore's SigV4 signer would sign it (sigv4.py) and sent by the
-store's own urllib3 pool, with
-every answer and failure mapped as boto3's would be (S3Store._plan_lean says
-where it is used, S3Store._get how).
+store's own urllib3 pool, with every answer and failure mapped as boto3's would
+be (S3Store._plan_lean says where it is used, S3Store._get how).
 """
 
 from __future__ import annotations
@@ -225,7 +224,6 @@ class _Lean:
 
     origin: str  # scheme://host[:port]
     path: str  # the bucket's path, ending in '/': the request target is this + quoted key
-    region: str  # signing region
     credentials: Credentials | None  # the client's own (refreshable) credentials
     signer: GetSigner  # as the client's S3SigV4Auth signs (its s3 options: UNSIGNED-PAYLOAD)
     pool: urllib3.HTTPConnectionPool
@@ -447,7 +445,6 @@ class S3Store:
         return _Lean(
             origin=origin,
             path=url[len(origin) : len(url) - len(quoted)],
-            region=seen["region"],
             credentials=credentials,
             signer=GetSigner(url, seen["region"], sign_payload=(config.s3 or {}).get(
                 "payload_signing_enabled", True) is not False),
@@ -757,8 +754,8 @@ class S3Store:
 
         Each attempt is one lean GET where the store has a lean path (`_plan_lean`
         says where): signed as botocore's S3SigV4Auth signs it (sigv4.py, with the
-        signing key kept for the day), sent by the store's own
-        urllib3 pool, its body read straight into the caller's buffer. That is
+        signing key kept for the day), sent by the store's own urllib3 pool, its
+        body read straight into the caller's buffer. That is
         half the client CPU of boto3's get_object, whose request machinery (events,
         serializing, endpoint rules, parsing) was a third of the daemon's CPU on
         a directory of small files. It is handled as boto3's response would be:
