@@ -17,14 +17,14 @@ import hmac
 from datetime import UTC, datetime
 from urllib.parse import urlsplit
 
-UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
-EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
-# Headers botocore leaves unsigned (botocore.auth.SIGNED_HEADERS_BLACKLIST).
-UNSIGNED_HEADERS = frozenset({
-    "baggage", "connection", "expect", "keep-alive", "proxy-authenticate",
-    "proxy-authorization", "te", "traceparent", "tracestate", "trailer",
-    "transfer-encoding", "upgrade", "user-agent", "x-amzn-trace-id",
-})
+from botocore.auth import (
+    EMPTY_SHA256_HASH,
+    SIGNED_HEADERS_BLACKLIST,
+    SIGV4_TIMESTAMP,
+    UNSIGNED_PAYLOAD,
+)
+
+UNSIGNED_HEADERS = frozenset(SIGNED_HEADERS_BLACKLIST)  # as botocore leaves them unsigned
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
@@ -52,7 +52,7 @@ class GetSigner:
         self.region = region
         # botocore signs an empty body's SHA-256 unless the client's s3 config
         # turns payload signing off (the store's does: UNSIGNED-PAYLOAD).
-        self.payload = EMPTY_SHA256 if sign_payload else UNSIGNED_PAYLOAD
+        self.payload = EMPTY_SHA256_HASH if sign_payload else UNSIGNED_PAYLOAD
         self._key: tuple[str, str, bytes] = ("", "", b"")  # (day, secret, signing key)
 
     def _signing_key(self, day: str, secret: str) -> bytes:
@@ -76,7 +76,7 @@ class GetSigner:
         """`headers` with X-Amz-Content-SHA256, X-Amz-Date, the session token (if
         any) and Authorization added, for a GET of `path` (percent-encoded, no
         query string); Host is signed as `signed_host` says, not added."""
-        stamp = (now or datetime.now(UTC)).strftime("%Y%m%dT%H%M%SZ")
+        stamp = (now or datetime.now(UTC)).strftime(SIGV4_TIMESTAMP)
         day = stamp[:8]
         out = dict(headers)
         out["X-Amz-Content-SHA256"] = self.payload
