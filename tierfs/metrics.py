@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+_M = TypeVar("_M", Counter, Histogram)  # a labelled metric, or one of its children
 
 LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
@@ -80,7 +82,7 @@ def histogram_quantiles(
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self._children: dict[tuple[object, ...], Counter] = {}
+        self._children: dict[tuple[object, ...], Any] = {}
         r = self.registry
         self.read_bytes = Counter(
             "tierfs_read_bytes", "Bytes returned to readers, by the tier that served them",
@@ -149,9 +151,10 @@ class Metrics:
         return out
 
     # Hooks called from the hot paths: keep them cheap.
-    def _child(self, metric: Counter, *labels: str) -> Counter:
+    def _child(self, metric: _M, *labels: str) -> _M:
         """`metric.labels(*labels)`, looked up once: a warm walk through small files
-        counts three ops per file, and `labels` takes a lock and builds a key."""
+        counts three ops per file, a cold one three metrics per GET, and `labels`
+        takes a lock and builds a key."""
         key = (id(metric), *labels)
         child = self._children.get(key)
         if child is None:
@@ -162,11 +165,11 @@ class Metrics:
         self._child(self.read_bytes, tier).inc(nbytes)
 
     def store_request(self, op: str, outcome: str, seconds: float, nbytes: int) -> None:
-        self.store_requests.labels(op, outcome).inc()
+        self._child(self.store_requests, op, outcome).inc()
         if outcome == "ok":
-            self.store_latency.labels(op).observe(seconds)
+            self._child(self.store_latency, op).observe(seconds)
             if nbytes:
-                self.store_bytes.labels(op).inc(nbytes)
+                self._child(self.store_bytes, op).inc(nbytes)
 
     def read_latency(self, seconds: float) -> None:
         self.read_latency_seconds.observe(seconds)
@@ -174,7 +177,7 @@ class Metrics:
     def writeback_event(self, event: str, n: int) -> None:
         """uploaded (bytes), upload_retry, quarantined, publish_conflict, streamed_parts
         (parts that went up before their file was sealed) (count)."""
-        self.writeback_events.labels(event).inc(n)
+        self._child(self.writeback_events, event).inc(n)
 
     def meta_op(self, op: str) -> None:
         self._child(self.meta_ops, op).inc()
@@ -183,7 +186,7 @@ class Metrics:
         self._child(self.opens, mode, why).inc()
 
     def error(self, kind: str) -> None:
-        self.errors.labels(kind).inc()
+        self._child(self.errors, kind).inc()
 
     def snapshot(self) -> dict[str, object]:
         """All samples as {name{labels}: value}, for status output and tests."""
