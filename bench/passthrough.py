@@ -6,7 +6,7 @@ Usage: passthrough.py [--rw] [--kernel] [--stats FILE] SRC MOUNTPOINT   (unmount
 Serving: same kernel settings as tierfs (1 MiB reads via bdi read_ahead_kb,
 keep_cache; with --rw the kernel's write-back cache, as tierfs), reads and
 writes served with os.pread/os.pwrite on the trio loop: the ceiling of a Python
-FUSE daemon. --kernel: FUSE passthrough instead (tierfs.passthrough; needs the
+FUSE daemon. --kernel: FUSE passthrough instead (tierfs.fuse.passthrough; needs the
 pyfuse3 of third_party/ and root): every open file is registered as a backing
 file, so the kernel serves read/write/mmap itself (no write-back cache then,
 they exclude each other). --stats FILE: at exit, JSON with the requests the
@@ -37,8 +37,8 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from tierfs.kernel import set_kernel_readahead
-from tierfs.passthrough import InodeBackings
+from tierfs.fuse.kernel import set_kernel_readahead
+from tierfs.fuse.passthrough import InodeBackings
 
 
 class Passthrough(pyfuse3.Operations):

@@ -48,7 +48,7 @@ from pathlib import Path
 from common import BUCKET, Bench
 
 from tests.support.mount import is_mounted
-from tierfs.kernel import set_kernel_readahead
+from tierfs.fuse.kernel import set_kernel_readahead
 
 MOUNT_TIMEOUT = 30.0
 _seq = itertools.count(1)

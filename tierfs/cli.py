@@ -239,7 +239,7 @@ def _await_ready(proc: subprocess.Popen[bytes], r: int, errors: Any,
             left = deadline - time.monotonic()
             if left <= 0:
                 proc.kill()
-                from tierfs.fusermount import fusermount_unmount
+                from tierfs.fuse.fusermount import fusermount_unmount
 
                 fusermount_unmount(cfg.mountpoint, lazy=True)
                 return die(f"daemon did not become ready within {START_TIMEOUT:.0f}s")
@@ -273,7 +273,7 @@ def _await_ready(proc: subprocess.Popen[bytes], r: int, errors: Any,
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    from tierfs.fusermount import fusermount_unmount, is_stale, mounted_fs
+    from tierfs.fuse.fusermount import fusermount_unmount, is_stale, mounted_fs
 
     mp = Path(os.path.abspath(args.mountpoint))
     busy = (f"{mp} is busy: a process has a file or its working directory in it; close "

@@ -27,7 +27,7 @@ from tierfs.config import (
     MountConfig,
     parse_listen_addr,
 )
-from tierfs.fusermount import MountpointError, check_mountpoint
+from tierfs.fuse.fusermount import MountpointError, check_mountpoint
 from tierfs.health import StoreHealth
 from tierfs.metrics import Metrics
 from tierfs.mount import MountError, Prepared, serve

@@ -28,7 +28,6 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from tierfs import passthrough
 from tierfs.budget import BufferPool, MemoryBudget
 from tierfs.cache import Cache, Entry
 from tierfs.config import (
@@ -39,10 +38,13 @@ from tierfs.config import (
     MountConfig,
 )
 from tierfs.control import ControlError, ControlServer, publish, socket_path
-from tierfs.fs import TierFS
+from tierfs.fuse import passthrough
+from tierfs.fuse.fs import TierFS
+from tierfs.fuse.kernel import KernelCache, set_kernel_readahead
+from tierfs.fuse.modes import OpenModes
+from tierfs.fuse.tree import TreeChanges
 from tierfs.health import StoreHealth
 from tierfs.kept_listings import KeptListings
-from tierfs.kernel import KernelCache, set_kernel_readahead
 from tierfs.metrics import Metrics
 from tierfs.namespace import Namespace
 from tierfs.ops import ControlOps, MountInfo
@@ -50,13 +52,11 @@ from tierfs.policy import Policy
 from tierfs.posix import Defaults
 from tierfs.read.bodies import BODIES_MAX, Bodies
 from tierfs.read.handles import ReadPath
-from tierfs.read.modes import OpenModes
 from tierfs.read.reader import SERVE_BUFFER, Reader
 from tierfs.read.walkahead import WalkAhead
 from tierfs.read.walks import Walks
 from tierfs.sdnotify import notify
 from tierfs.store.base import Store, StoreError
-from tierfs.tree import TreeChanges
 from tierfs.workers import Workers, tune_malloc
 from tierfs.writeback.barrier import Barrier
 from tierfs.writeback.core import WriteBack

@@ -23,7 +23,7 @@ from tierfs.budget import MemoryBudget
 from tierfs.cache import Cache, Entry
 from tierfs.config import ClassSettings
 from tierfs.control import Emit
-from tierfs.fusermount import fusermount_unmount
+from tierfs.fuse.fusermount import fusermount_unmount
 from tierfs.health import StoreHealth
 from tierfs.metrics import Metrics
 from tierfs.namespace import ROOT_INODE, Namespace, Node

@@ -28,8 +28,8 @@ import pytest
 import trio
 
 from tests.support.mount import is_mounted
-from tierfs import passthrough
-from tierfs.passthrough import InodeBackings
+from tierfs.fuse import passthrough
+from tierfs.fuse.passthrough import InodeBackings
 
 MiB = 1 << 20
 INODE = 2

@@ -4,7 +4,7 @@ A file whose tier-1 copy is complete and verified is served by the kernel
 from its cache file: reads, preads and mmap reach no daemon READ handler
 (`tierfs_read_latency_seconds_count` stays put). Everything else keeps the
 daemon path, and the two modes never mix on one inode (the kernel would fail
-the open with EIO). Needs root and the passthrough build (tierfs.passthrough's
+the open with EIO). Needs root and the passthrough build (tierfs.fuse.passthrough's
 probe says why not); the `--no-passthrough` checks run anywhere.
 """
 
@@ -25,7 +25,7 @@ import pytest
 from tests.integration.conftest import MountFactory
 from tests.support.mount import PASSTHROUGH_OFF, TierfsMount
 from tests.support.seaweed import SeaweedServer
-from tierfs import passthrough
+from tierfs.fuse import passthrough
 
 MiB = 1 << 20
 MODE = passthrough.probe(Path(tempfile.gettempdir()))

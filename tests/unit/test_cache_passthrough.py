@@ -1,4 +1,4 @@
-"""What FUSE passthrough asks of a tier-1 entry (read/modes.py): whether it is
+"""What FUSE passthrough asks of a tier-1 entry (fuse/modes.py): whether it is
 whole and verified, a reference taken without waiting, and chunks that
 eviction must not punch while the kernel reads the file itself."""
 

@@ -1,4 +1,4 @@
-"""tierfs.passthrough's probe: each reason it gives, from the texts the kernel writes."""
+"""tierfs.fuse.passthrough's probe: each reason it gives, from the texts the kernel writes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pyfuse3
 import pytest
 
-from tierfs import passthrough
+from tierfs.fuse import passthrough
 
 MOUNTINFO = """\
 22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw

@@ -397,7 +397,7 @@ class Entry:
     def completeness(self) -> str:
         """How whole the tier-1 copy of a clean, attached object is: "verified"
         (every chunk present and checked by this process: the kernel may serve
-        the file itself, see read/modes.py), "complete" (every chunk present,
+        the file itself, see fuse/modes.py), "complete" (every chunk present,
         some not checked yet), or "partial" (also: written locally, detached)."""
         with self._mu:
             if self._state != CLEAN or self._detached or self._fd < 0:

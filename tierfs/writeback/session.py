@@ -197,7 +197,7 @@ class WriteSession:
         self.failed = False  # a close or fsync of it failed: nothing of it may land later
         self.state = ReadState()
         self._queue: WriteQueue | None = None  # a direct handle's acknowledged, unapplied writes
-        # FUSE passthrough (read/modes.py): the kernel writes the cache file itself and
+        # FUSE passthrough (fuse/modes.py): the kernel writes the cache file itself and
         # no WRITE reaches this session. The fd it writes; the file's (size, mtime,
         # ctime) when this handle's bytes were last sealed (a change since means
         # written); the (size, mtime) last shown by stat.

@@ -22,14 +22,14 @@ from typing import Any, TypeVar
 import pyfuse3
 
 from tierfs.config import LOG_EVERY
-from tierfs.fs_attrs import caller, entry_attributes, setattr_change
+from tierfs.fuse.fs_attrs import caller, entry_attributes, setattr_change
+from tierfs.fuse.modes import Opened, OpenModes
+from tierfs.fuse.passthrough import file_info
+from tierfs.fuse.tree import AttrChange, TreeChanges
 from tierfs.metrics import Metrics
 from tierfs.namespace import Namespace, Node
-from tierfs.passthrough import file_info
 from tierfs.read.handles import ReadHandle, ReadPath
-from tierfs.read.modes import Opened, OpenModes
 from tierfs.store.base import StoreError
-from tierfs.tree import AttrChange, TreeChanges
 from tierfs.workers import Workers
 from tierfs.writeback.core import WriteBack
 from tierfs.writeback.session import WriteSession

@@ -9,8 +9,8 @@ import stat
 import pyfuse3
 
 from tierfs.config import DEGRADED_ATTR_TTL
+from tierfs.fuse.tree import AttrChange, Caller
 from tierfs.namespace import Namespace, Node
-from tierfs.tree import AttrChange, Caller
 
 
 def entry_attributes(ns: Namespace, node: Node) -> pyfuse3.EntryAttributes:

@@ -43,7 +43,7 @@ import trio
 
 from tierfs.cache import Cache, Entry
 from tierfs.config import ClassSettings
-from tierfs.passthrough import InodeBackings, Mode
+from tierfs.fuse.passthrough import InodeBackings, Mode
 from tierfs.workers import Workers
 
 log = logging.getLogger(__name__)
