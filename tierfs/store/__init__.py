@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+from typing import TYPE_CHECKING
 
 from tierfs.config import (
     CONNECT_TIMEOUT,
@@ -21,6 +22,9 @@ from tierfs.config import (
 from tierfs.store.base import Listing, ObjectInfo, RequestObserver, Store, StoreError
 from tierfs.store.local import LocalStore
 from tierfs.store.s3 import S3Store
+
+if TYPE_CHECKING:
+    import boto3
 
 __all__ = [
     "Listing",
@@ -101,6 +105,7 @@ def open_store(
     deadline: float = DEADLINE,
     observer: RequestObserver | None = None,
     max_key_bytes: int = MAX_KEY_BYTES,
+    session: boto3.session.Session | None = None,
 ) -> Store:
     """The Store for SOURCE `url`. Makes no request: call `check()` to verify it."""
     scheme, where, prefix = parse_source(url)
@@ -117,4 +122,5 @@ def open_store(
         deadline=deadline,
         observer=observer,
         max_key_bytes=max_key_bytes,
+        session=session,
     )

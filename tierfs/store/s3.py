@@ -289,7 +289,10 @@ class S3Store:
         deadline: float = DEADLINE,
         observer: RequestObserver | None = None,
         max_key_bytes: int = MAX_KEY_BYTES,
+        session: boto3.session.Session | None = None,
     ) -> None:
+        """`session`: where credentials and region come from (default: the standard
+        chain); the shared tier passes one with its own profile or keys."""
         if part_size <= 0 or max_connections <= 0 or deadline <= 0:
             raise StoreError(
                 "part_size, max_connections and deadline must be positive",
@@ -305,7 +308,7 @@ class S3Store:
         self.observer = observer
         self._endpoint_arg = endpoint_url
         self._connect_timeout = connect_timeout
-        self._session = boto3.session.Session()
+        self._session = session or boto3.session.Session()
         self._session_lock = threading.Lock()  # sessions are not thread-safe; clients are
         try:
             self._client = self._make_client(connect_timeout, read_timeout)

@@ -1,0 +1,371 @@
+"""Claims, leases and verification of the shared tier (tierfs/sharedtier/), against
+a real file:// store (LocalStore enforces If-None-Match / If-Match like S3) and
+trio's MockClock: "no node waits longer than the lease" is a statement about
+time, and a killed claimer is a claim nobody completes. Store calls run inline
+in the trio thread (the daemon runs them in workers), so virtual time only moves
+while every node waits."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from tierfs.sharedtier.blocks import SUM_META, BlockRef, Blocks
+from tierfs.sharedtier.claims import CLOCK_SKEW, POLL_MAX, BlockFlight, Counts, Outcome
+from tierfs.sharedtier.tier import SharedTier
+from tierfs.store.base import StoreError
+from tierfs.store.local import LocalStore
+
+BLOCK = 64 << 10
+LEASE = 10.0
+FETCH = 1.0  # virtual seconds one origin fetch of a block takes
+DATA = os.urandom(3 * BLOCK + 1000)
+
+
+async def inline(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+class Origin:
+    """The origin as the shared tier sees it: fills a view with the object's bytes
+    after FETCH virtual seconds; counts calls; can be told to fail or hang."""
+
+    def __init__(self, data: bytes = DATA) -> None:
+        self.data = data
+        self.calls = 0
+        self.fail: Exception | None = None
+        self.hang = False
+
+    def at(self, start: int) -> Callable[[memoryview], Any]:
+        async def fill(view: memoryview) -> int:
+            self.calls += 1
+            await trio.sleep(FETCH)
+            if self.hang:
+                await trio.sleep_forever()
+            if self.fail is not None:
+                raise self.fail
+            view[:] = self.data[start : start + len(view)]
+            return len(view)
+
+        return fill
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalStore:
+    root = tmp_path / "shared"
+    root.mkdir()
+    return LocalStore(str(root))
+
+
+def ref(index: int = 0, etag: str = "etag-1", size: int = len(DATA)) -> BlockRef:
+    return BlockRef("s3|http://origin|models|", "llm/model.safetensors", etag, size, BLOCK, index)
+
+
+def node(store: LocalStore, name: str, *, conditional: bool = True, secret: bytes | None = None,
+         wall: Callable[[], float] | None = None) -> BlockFlight:
+    return BlockFlight(store, Blocks(secret), lease=LEASE, conditional=conditional,
+                       meta=inline, data=inline, upload=inline, counts=Counts(), node=name,
+                       **({"wall": wall} if wall else {}))
+
+
+async def fill(n: BlockFlight, r: BlockRef, origin: Origin) -> tuple[Outcome, bytes, float]:
+    """One node's fill of block `r`: its outcome, bytes and virtual seconds taken."""
+    buf = memoryview(bytearray(r.length))
+    t0 = trio.current_time()
+    outcome = await n.fill(r, buf, origin.at(r.start))
+    return outcome, bytes(buf), trio.current_time() - t0
+
+
+def want(r: BlockRef) -> bytes:
+    return DATA[r.start : r.start + r.length]
+
+
+def claim_of(store: LocalStore, r: BlockRef, blocks: Blocks | None = None) -> str:
+    return (blocks or Blocks()).claim_name(r)
+
+
+def exists(store: LocalStore, key: str) -> bool:
+    try:
+        store.head(key)
+    except StoreError as exc:
+        assert exc.kind == "not_found"
+        return False
+    return True
+
+
+async def test_the_first_node_fetches_puts_and_releases_the_next_takes_it(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    mock_clock.autojump_threshold = 0
+    origin = Origin()
+    a, b = node(store, "a"), node(store, "b")
+    r = ref(1)
+    assert await fill(a, r, origin) == (Outcome.FILLED, want(r), FETCH)
+    assert (a.counts.misses, a.counts.claims_won, a.counts.puts, origin.calls) == (1, 1, 1, 1)
+    assert not exists(store, claim_of(store, r))  # released
+    assert exists(store, Blocks().name(r))
+    outcome, got, _ = await fill(b, r, origin)
+    assert (outcome, got, origin.calls) == (Outcome.HIT, want(r), 1)
+    assert (b.counts.hits, b.counts.misses, b.counts.shared_bytes) == (1, 0, r.length)
+
+
+async def test_a_herd_costs_the_origin_one_fetch_per_block(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    mock_clock.autojump_threshold = 0
+    origin = Origin()
+    nodes = [node(store, f"n{i}") for i in range(4)]
+    results: list[tuple[Outcome, bytes, float]] = []
+    r = ref(3)  # the short last block
+
+    async def one(n: BlockFlight) -> None:
+        results.append(await fill(n, r, origin))
+
+    async with trio.open_nursery() as nursery:
+        for n in nodes:
+            nursery.start_soon(one, n)
+    assert origin.calls == 1
+    assert sorted(o.value for o, _, _ in results) == ["filled", "shared", "shared", "shared"]
+    assert all(got == want(r) for _, got, _ in results)
+    assert sum(n.counts.claims_won for n in nodes) == 1
+    assert sum(n.counts.claims_lost for n in nodes) == 3
+    assert sum(n.counts.claims_expired for n in nodes) == 0
+    # Waiters take the block at most POLL_MAX after it landed.
+    assert max(t for _, _, t in results) <= FETCH + POLL_MAX
+
+
+async def test_a_killed_claimer_is_taken_over_once_the_lease_runs_out(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """The claimer dies mid-fetch (its claim stays, no block ever comes): one waiter
+    takes the claim over, the others wait for it; all done within lease + one fetch."""
+    mock_clock.autojump_threshold = 0
+    origin = Origin()
+    dead = node(store, "dead")
+    waiters = [node(store, f"w{i}") for i in range(3)]
+    r = ref(0)
+    results: list[tuple[Outcome, bytes, float]] = []
+
+    async def killed() -> None:
+        hung = Origin()
+        hung.hang = True
+        with trio.move_on_after(LEASE * 10):  # kill -9: it never finishes or releases
+            await fill(dead, r, hung)
+
+    async def one(n: BlockFlight) -> None:
+        await trio.sleep(0.1)  # after the claim
+        results.append(await fill(n, r, origin))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(killed)
+        for w in waiters:
+            nursery.start_soon(one, w)
+        while len(results) < len(waiters):
+            await trio.sleep(1)
+        nursery.cancel_scope.cancel()
+    assert all(got == want(r) for _, got, _ in results)
+    assert max(t for _, _, t in results) <= LEASE + FETCH + POLL_MAX
+    assert sorted(o.value for o, _, _ in results) == ["filled", "shared", "shared"]
+    assert origin.calls == 1
+    assert sum(w.counts.claims_expired for w in waiters) == 1  # the others waited for it
+    assert sum(w.counts.puts for w in waiters) == 1
+    # The block the takeover put serves the next node.
+    assert await fill(node(store, "late"), r, origin) == (Outcome.HIT, want(r), 0.0)
+
+
+async def test_a_claim_left_long_ago_is_taken_over_at_once(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """A node arriving long after a claimer died does not wait out a lease: the
+    claim's Last-Modified is older than the lease (plus clock skew)."""
+    mock_clock.autojump_threshold = 0
+    r = ref(2)
+    blocks = Blocks()
+    store.put_bytes(blocks.claim_name(r), b"{}", if_none_match=True)
+    import time
+
+    later = node(store, "later", wall=lambda: time.time() + LEASE + CLOCK_SKEW + 1)
+    origin = Origin()
+    assert await fill(later, r, origin) == (Outcome.FILLED, want(r), FETCH)
+    assert (later.counts.claims_expired, later.counts.polls, origin.calls) == (1, 0, 1)
+
+
+async def test_waiters_poll_with_bounded_backoff(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """A whole lease of waiting costs a bounded number of looks, growing apart up to
+    POLL_MAX: the store is not hammered by a herd waiting on one block."""
+    mock_clock.autojump_threshold = 0
+    r = ref(0)
+    store.put_bytes(Blocks().claim_name(r), b"{}", if_none_match=True)
+    w = node(store, "w")
+    _, got, took = await fill(w, r, Origin())
+    assert got == want(r)
+    assert took == pytest.approx(LEASE + FETCH)
+    assert LEASE / POLL_MAX <= w.counts.polls <= LEASE / POLL_MAX + 12
+
+
+async def test_a_failed_origin_fetch_releases_the_claim(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """The claimer's origin GET fails: the error is its own; its claim goes, so the
+    waiter claims and fetches at once instead of waiting out the lease."""
+    mock_clock.autojump_threshold = 0
+    r = ref(1)
+    bad, good = Origin(), Origin()
+    bad.fail = StoreError("origin says no", kind="io")
+    a, b = node(store, "a"), node(store, "b")
+    errors: list[BaseException] = []
+    results: list[tuple[Outcome, bytes, float]] = []
+
+    async def claimer() -> None:
+        try:
+            await fill(a, r, bad)
+        except StoreError as exc:
+            errors.append(exc)
+
+    async def waiter() -> None:
+        await trio.sleep(0.01)
+        results.append(await fill(b, r, good))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(claimer)
+        nursery.start_soon(waiter)
+    assert len(errors) == 1
+    [(outcome, got, took)] = results
+    assert (outcome, got) == (Outcome.FILLED, want(r))
+    assert took < FETCH + 2 * FETCH  # not a lease
+    assert (b.counts.claims_expired, b.counts.claims_won) == (0, 1)
+
+
+async def test_a_corrupt_block_is_never_served_and_is_refetched(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    mock_clock.autojump_threshold = 0
+    origin = Origin()
+    r = ref(1)
+    blocks = Blocks()
+    name = blocks.name(r)
+    good = want(r)
+    # Overwritten in place with other bytes, the metadata kept (as a tool that
+    # copies the block's old metadata along would): the checksum no longer matches.
+    store.put_bytes(name, bytes(len(good)), metadata={SUM_META: blocks.checksum(r, good)})
+    a = node(store, "a")
+    assert await fill(a, r, origin) == (Outcome.FILLED, good, FETCH)
+    assert (a.counts.corrupt, a.counts.hits, origin.calls) == (1, 0, 1)
+    # The block put again verifies for the next node.
+    b = node(store, "b")
+    assert (await fill(b, r, origin))[:2] == (Outcome.HIT, good)
+    assert (b.counts.corrupt, origin.calls) == (0, 1)
+
+
+@pytest.mark.parametrize("how", ["truncated", "no checksum", "another index", "another etag"])
+async def test_blocks_that_do_not_verify(
+    store: LocalStore, mock_clock: trio.testing.MockClock, how: str
+) -> None:
+    """A torn put, a block without its checksum, or a valid block copied under the
+    name of another index or another version (a new ETag) is a counted miss."""
+    mock_clock.autojump_threshold = 0
+    r = ref(1)
+    blocks = Blocks()
+    other = {"another index": ref(0), "another etag": ref(1, etag="etag-0")}.get(how, r)
+    body = want(other)
+    meta = {SUM_META: blocks.checksum(other, body)}
+    if how == "truncated":
+        body = body[: len(body) // 2]
+    if how == "no checksum":
+        meta = {}
+    store.put_bytes(blocks.name(r), body, metadata=meta)
+    n = node(store, "n")
+    assert await fill(n, r, Origin()) == (Outcome.FILLED, want(r), FETCH)
+    assert (n.counts.hits, n.counts.corrupt, n.counts.misses) == (0, 1, 1)
+
+
+async def test_without_conditional_writes_every_node_fetches_for_itself(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    mock_clock.autojump_threshold = 0
+    origin = Origin()
+    nodes = [node(store, f"n{i}", conditional=False) for i in range(3)]
+    r = ref(0)
+    results: list[tuple[Outcome, bytes, float]] = []
+
+    async def one(n: BlockFlight) -> None:
+        results.append(await fill(n, r, origin))
+
+    async with trio.open_nursery() as nursery:
+        for n in nodes:
+            nursery.start_soon(one, n)
+    assert origin.calls == 3
+    assert [o for o, _, _ in results] == [Outcome.OWN] * 3
+    assert all(got == want(r) for _, got, _ in results)
+    assert not exists(store, Blocks().claim_name(r))  # no claims at all
+    # What they put serves a later node.
+    assert (await fill(node(store, "late", conditional=False), r, origin))[0] == Outcome.HIT
+
+
+async def test_a_fleet_secret_authenticates_blocks(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """With a secret, a block whose checksum anyone could compute (SHA-256 over
+    bytes of the writer's choosing) is not served; fleets with another secret,
+    or none, use names of their own."""
+    mock_clock.autojump_threshold = 0
+    secret = b"s" * 32
+    keyed, plain, other = Blocks(secret), Blocks(), Blocks(b"t" * 32)
+    r = ref(0)
+    assert len({keyed.name(r), plain.name(r), other.name(r)}) == 3
+    forged = bytes(r.length)
+    store.put_bytes(keyed.name(r), forged, metadata={SUM_META: plain.checksum(r, forged)})
+    n = node(store, "n", secret=secret)
+    assert await fill(n, r, Origin()) == (Outcome.FILLED, want(r), FETCH)
+    assert n.counts.corrupt == 1
+    assert keyed.verifies(r, want(r), store.head(keyed.name(r)).metadata)
+    assert not other.verifies(r, want(r), store.head(keyed.name(r)).metadata)
+
+
+def test_block_names_stand_for_their_whole_identity() -> None:
+    b = Blocks()
+    base = ref(0)
+    variants = [ref(1), ref(0, etag="etag-2"), ref(0, size=len(DATA) + 1),
+                BlockRef(base.source, "llm/other", base.etag, base.size, BLOCK, 0),
+                BlockRef("s3|http://elsewhere|models|", base.key, base.etag, base.size, BLOCK, 0),
+                BlockRef(base.source, base.key, base.etag, base.size, 2 * BLOCK, 0)]
+    checks = {b.checksum(v, b"x" * 10) for v in [base, *variants]}
+    assert len(checks) == 1 + len(variants)  # the checksum binds every field
+    names = {b.name(v) for v in [base, *variants] if v.size == base.size}
+    assert len(names) == len(variants)  # the name binds all but the size
+    assert b.name(ref(0, etag='"odd/etag"')).count("/") == b.name(base).count("/")
+
+
+async def test_the_tier_leaves_small_objects_and_a_down_store_to_the_origin(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    mock_clock.autojump_threshold = 0
+    (tmp_path / "a-file").write_bytes(b"")
+    gone = LocalStore(str(tmp_path / "a-file"))  # a root that is a file: every put fails
+    tier = SharedTier(gone, source="s", block=BLOCK, lease=LEASE, conditional=True, secret=None,
+                      meta=inline, data=inline, upload=inline)
+    below_calls = 0
+
+    async def below(start: int, view: memoryview) -> int:
+        nonlocal below_calls
+        below_calls += 1
+        return len(view)
+
+    small = memoryview(bytearray(BLOCK - 1))
+    assert await tier.fetch("k", "e", BLOCK - 1, 0, small, below) is None
+    assert tier.counts.misses == 0  # not even asked
+    with pytest.raises(ValueError):
+        await tier.fetch("k", "e", 2 * BLOCK, 1, memoryview(bytearray(BLOCK)), below)
+    # A HEAD under that root is "not found": the node claims; the claim's put
+    # fails, a shared-tier error: the fetcher is told to ask the origin itself.
+    buf = memoryview(bytearray(BLOCK))
+    assert await tier.fetch("k", "e", 2 * BLOCK, 0, buf, below) is None
+    assert tier.counts.errors == 1 and below_calls == 0

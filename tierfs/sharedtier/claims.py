@@ -1,0 +1,305 @@
+"""Claims and leases: single-flight across nodes with the store's own conditional writes.
+
+A node missing a block asks the shared tier; if the block is not there (or does
+not verify) it tries to claim it: a conditional create (`If-None-Match: *`) of a
+small claim object beside the block. The one node that creates it fetches the
+block from the origin, puts it, and deletes the claim. Every other node polls
+for the block with bounded backoff, and:
+
+- takes the block as soon as it appears and verifies;
+- claims it itself if the claim disappears without a block (the claimer's
+  origin fetch failed: it deletes its claim so nobody waits for nothing);
+- takes the claim over once it has waited `lease` seconds on it (counted on
+  its own monotonic clock from when it first saw that claim), or at once if the
+  claim's Last-Modified says it is older than the lease (a claim left by a node
+  killed long ago): a conditional replace (`If-Match` on the claim's ETag), so
+  that one waiter fetches and puts while the others wait for that one.
+
+No node waits on one claim longer than the lease; after a takeover, the new
+claimer (alive a moment ago) has a lease of its own. A killed claimer so costs
+the others one lease plus one block's fetch.
+
+Clocks only decide efficiency, never correctness: a node whose wall clock runs
+ahead takes a fresh claim over early (one more origin fetch of that block);
+the bytes served are always ones that verified or came from the origin.
+
+Where the store does not enforce conditional writes there are no claims:
+every node that misses fetches from the origin and puts the block (a later
+node then finds it).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import trio
+
+from tierfs.sharedtier.blocks import SUM_META, BlockRef, Blocks
+from tierfs.store.base import ObjectInfo, Store, StoreError
+
+log = logging.getLogger(__name__)
+
+# An async runner of a blocking call: Workers.meta / .data / .upload in the daemon.
+Runner = Callable[..., Awaitable[Any]]
+# The rest of the fetch chain (the origin): fills the view, returns the bytes read.
+Origin = Callable[[memoryview], Awaitable[int]]
+
+POLL_FIRST = 0.02  # seconds before a waiter's first look
+POLL_MAX = 0.25  # its longest pause: a block is taken at most this late
+POLL_GROWTH = 1.5
+# Wall-clock slack before a claim's Last-Modified alone (not this node's own
+# wait) counts as expired: clocks of nodes and store may differ this much.
+CLOCK_SKEW = 5.0
+
+
+class Outcome(Enum):
+    HIT = "shared"  # taken from the shared tier, verified
+    FILLED = "filled"  # claimed (or taken over), fetched from the origin, put
+    OWN = "own"  # fetched from the origin with no claim (no conditional writes), put
+
+
+@dataclass
+class Counts:
+    """What the shared tier did; read by metrics and `tierfs status`."""
+
+    hits: int = 0
+    misses: int = 0  # blocks this node did not find (valid) at first look
+    corrupt: int = 0  # block objects that failed verification: never served
+    claims_won: int = 0
+    claims_lost: int = 0  # another node held the claim: this one waited
+    claims_expired: int = 0  # waits that ran out the lease (or found a stale claim)
+    own_fetches: int = 0  # origin fetches without a claim (no conditional writes)
+    puts: int = 0
+    put_failures: int = 0
+    errors: int = 0  # shared-tier requests that failed: the block came from the origin
+    polls: int = 0
+    shared_bytes: int = 0  # bytes served from the shared tier
+    origin_bytes: int = 0  # bytes fetched from the origin through the shared tier's path
+
+
+class SharedError(Exception):
+    """A shared-tier request failed (the origin's own errors pass through as they are)."""
+
+    def __init__(self, exc: StoreError) -> None:
+        super().__init__(str(exc))
+        self.kind = exc.kind
+
+
+def node_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class BlockFlight:
+    """One node's side of the protocol, over the shared store `store`."""
+
+    def __init__(
+        self,
+        store: Store,
+        blocks: Blocks,
+        *,
+        lease: float,
+        conditional: bool,
+        meta: Runner,
+        data: Runner,
+        upload: Runner,
+        counts: Counts | None = None,
+        now: Callable[[], float] = trio.current_time,
+        wall: Callable[[], float] = time.time,
+        node: str | None = None,
+    ) -> None:
+        self.store = store
+        self.blocks = blocks
+        self.lease = lease
+        self.conditional = conditional
+        self._meta, self._data, self._upload = meta, data, upload
+        self.counts = counts if counts is not None else Counts()
+        self._now, self._wall = now, wall
+        self.node = node or node_id()
+
+    async def fill(self, ref: BlockRef, buf: memoryview, origin: Origin) -> Outcome:
+        """Fill `buf` (ref.length bytes) with block `ref`: from the shared tier if a
+        verified copy is (or becomes) there, else from the origin. Raises what
+        `origin` raises, or SharedError where the shared tier failed before the
+        origin was asked (the caller then asks the origin itself)."""
+        name, claim = self.blocks.name(ref), self.blocks.claim_name(ref)
+        bad: tuple[str, str | None] | None = None  # a block object that did not verify
+        waited_on: str | None = None  # ETag of the claim this node waits on
+        waiting_since = 0.0
+        pause = POLL_FIRST
+        while True:
+            info = await self._head(name)
+            if info is not None and _version(info) != bad:
+                if await self._take(ref, name, info, buf):
+                    return Outcome.HIT
+                bad = _version(info)
+            if waited_on is None:
+                self.counts.misses += 1
+            if not self.conditional:
+                return await self._fetch(ref, name, buf, origin, claim=None)
+            seen = None if waited_on is None else await self._head(claim)
+            if seen is None:
+                held = await self._create_claim(claim)
+                if held is not None:
+                    if await self._landed_meanwhile(ref, name, buf, bad):
+                        await self._release(claim, held)
+                        return Outcome.HIT
+                    return await self._fetch(ref, name, buf, origin, claim=held)
+                seen = await self._head(claim)
+                if seen is None:  # released in between: look for the block again
+                    continue
+            now = self._now()
+            if seen.etag != waited_on:  # a claim made (or taken over) since: its own lease
+                if waited_on is None:
+                    self.counts.claims_lost += 1
+                waited_on, waiting_since = seen.etag, now
+            stale = self._wall() - seen.mtime > self.lease + CLOCK_SKEW
+            if stale or now - waiting_since >= self.lease:
+                self.counts.claims_expired += 1
+                held = await self._take_over(claim, seen.etag)
+                if held is not None:
+                    log.info("shared block %s: a claim made at %s UTC outlived its lease; "
+                             "taken over", name, time.strftime("%H:%M:%S", time.gmtime(seen.mtime)))
+                    return await self._fetch(ref, name, buf, origin, claim=held)
+                continue  # another waiter took it over: wait for that one
+            self.counts.polls += 1
+            await trio.sleep(min(pause, waiting_since + self.lease - now))
+            pause = min(pause * POLL_GROWTH, POLL_MAX)
+
+    # -- steps -------------------------------------------------------------------
+
+    async def _landed_meanwhile(
+        self, ref: BlockRef, name: str, buf: memoryview, bad: tuple[str, str | None] | None
+    ) -> bool:
+        """Whether the block landed between this node's look and its claim (its
+        claimer put it, then released the claim): one more look saves an origin
+        fetch. A failure here is no reason not to fetch: False."""
+        try:
+            info = await self._head(name)
+            return info is not None and _version(info) != bad and await self._take(
+                ref, name, info, buf)
+        except SharedError:
+            return False
+
+    async def _take(self, ref: BlockRef, name: str, info: ObjectInfo, buf: memoryview) -> bool:
+        """GET the block (pinned to the ETag just seen) into buf and verify it."""
+        if info.size != ref.length:
+            ok = False
+        else:
+            try:
+                ok = await self._data(self._get_verified, ref, name, info, buf)
+            except StoreError as exc:
+                if exc.kind in ("changed", "not_found"):
+                    return False  # replaced or removed since the HEAD: look again
+                raise SharedError(exc) from exc
+        if ok:
+            self.counts.hits += 1
+            self.counts.shared_bytes += ref.length
+            return True
+        self.counts.corrupt += 1
+        log.warning("shared block %s (%r block %d) failed verification: not served, "
+                    "fetching it again", name, ref.key, ref.index)
+        return False
+
+    def _get_verified(self, ref: BlockRef, name: str, info: ObjectInfo, buf: memoryview) -> bool:
+        view = buf[: ref.length]
+        n = self.store.get_range_into(name, 0, ref.length, view, info.etag)
+        return n == ref.length and self.blocks.verifies(ref, view, info.metadata)
+
+    async def _fetch(
+        self, ref: BlockRef, name: str, buf: memoryview, origin: Origin, *, claim: str | None
+    ) -> Outcome:
+        """The block from the origin, put into the shared tier; `claim` (this node's
+        claim's ETag; None where the store has no conditional writes) released
+        whatever happens, so that nobody waits for a fetch that failed."""
+        try:
+            await self._from_origin(ref, buf, origin)
+            try:
+                await self._upload(self._put, ref, name, buf[: ref.length])
+                self.counts.puts += 1
+            except StoreError as exc:
+                self.counts.put_failures += 1
+                log.warning("could not put shared block %s: %s", name, exc)
+        finally:
+            if claim is not None:
+                with trio.CancelScope(shield=True):
+                    await self._release(self.blocks.claim_name(ref), claim)
+        if claim is None:
+            self.counts.own_fetches += 1
+            return Outcome.OWN
+        return Outcome.FILLED
+
+    async def _from_origin(self, ref: BlockRef, buf: memoryview, origin: Origin) -> None:
+        n = await origin(buf[: ref.length])
+        if n != ref.length:
+            raise OSError(errno.EIO, f"short read of {ref.key!r} block {ref.index}: "
+                          f"{n} of {ref.length} bytes")
+        self.counts.origin_bytes += n
+
+    def _put(self, ref: BlockRef, name: str, data: memoryview) -> None:
+        self.store.put_bytes(name, data, metadata={SUM_META: self.blocks.checksum(ref, data)})
+
+    # -- claims ------------------------------------------------------------------
+
+    def _claim_body(self) -> bytes:
+        return json.dumps({"node": self.node, "lease": self.lease, "at": self._wall()}).encode()
+
+    async def _create_claim(self, claim: str) -> str | None:
+        """The new claim's ETag if this node created it; None if another node holds one."""
+        try:
+            info = await self._meta(self._put_claim, claim, None)
+        except StoreError as exc:
+            if exc.kind == "precondition":
+                return None
+            raise SharedError(exc) from exc
+        self.counts.claims_won += 1
+        return str(info.etag)
+
+    async def _take_over(self, claim: str, etag: str) -> str | None:
+        """Replace the expired claim `etag` with this node's; its ETag, or None if
+        another waiter replaced (or its claimer released) it first."""
+        try:
+            info = await self._meta(self._put_claim, claim, etag)
+        except StoreError as exc:
+            if exc.kind in ("precondition", "not_found"):
+                return None
+            raise SharedError(exc) from exc
+        return str(info.etag)
+
+    def _put_claim(self, claim: str, if_match: str | None) -> ObjectInfo:
+        return self.store.put_bytes(claim, self._claim_body(), if_match=if_match,
+                                    if_none_match=if_match is None)
+
+    async def _release(self, claim: str, etag: str) -> None:
+        """Delete this node's claim, unless another node has taken it over since (a
+        plain DELETE cannot be conditional everywhere: look first; the race left
+        costs at most one extra origin fetch, never a wrong byte)."""
+        try:
+            info = await self._head(claim)
+            if info is not None and info.etag == etag:
+                await self._meta(self.store.delete, claim)
+        except (SharedError, StoreError) as exc:
+            log.debug("releasing claim %s: %s", claim, exc)
+
+    async def _head(self, name: str) -> ObjectInfo | None:
+        try:
+            info: ObjectInfo = await self._meta(self.store.head, name)
+        except StoreError as exc:
+            if exc.kind == "not_found":
+                return None
+            raise SharedError(exc) from exc
+        return info
+
+
+def _version(info: ObjectInfo) -> tuple[str, str | None]:
+    """What tells one put of a block object from another: its ETag alone is not
+    enough where a put changed only the metadata."""
+    return info.etag, info.metadata.get(SUM_META)
