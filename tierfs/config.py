@@ -247,6 +247,20 @@ DEFAULT_RULES: tuple[tuple[str, str], ...] = (
     ("*.arrow", "dataset"),
     ("*.bin", "dataset"),
     ("*.idx", "dataset"),
+    # Samples: a directory of images, audio, video or arrays is a dataset (its
+    # listing is kept across remounts: kept_listings.listing_settings).
+    ("*.jpg", "dataset"),
+    ("*.jpeg", "dataset"),
+    ("*.JPEG", "dataset"),  # ImageNet's spelling
+    ("*.JPG", "dataset"),
+    ("*.png", "dataset"),
+    ("*.webp", "dataset"),
+    ("*.wav", "dataset"),
+    ("*.flac", "dataset"),
+    ("*.mp3", "dataset"),
+    ("*.mp4", "dataset"),
+    ("*.npy", "dataset"),
+    ("*.npz", "dataset"),
 )
 
 

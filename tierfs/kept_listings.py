@@ -7,7 +7,9 @@ directory's listing TTL ago: `ls -l` of a 10,000-object dataset directory after
 a remount sends no LIST. Only classes with `keep_listings` (dataset, by
 default) are kept: a remount lists other directories again, as users of
 mutable paths expect (an object replaced by another tool between two mounts
-shows at once).
+shows at once). A directory's listing follows its own class, or the class of
+nearly all of its files (`listing_settings`): a directory of images is a
+dataset directory even where its own path falls in the default class.
 
 What this mount changes in a directory (a file created, removed, renamed or
 uploaded) drops that directory's kept listing, in the background but before
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
+from collections.abc import Iterable
 
 import trio
 
@@ -31,9 +35,36 @@ from tierfs.workers import Workers
 log = logging.getLogger(__name__)
 
 
+# The share of a directory's files that must be of one class that keeps listings
+# for the directory's listing to follow that class (a README or a labels file
+# beside 2,000 images leaves it a dataset directory).
+LISTING_SHARE = 0.9
+
+
 def kept_ttl(settings: ClassSettings) -> float:
     """How long a kept listing of a directory of this class stays usable (0: not kept)."""
     return settings.list_ttl if settings.keep_listings else 0.0
+
+
+def listing_settings(own: ClassSettings, files: Iterable[ClassSettings]) -> ClassSettings:
+    """The class whose listing contract (list_ttl, keep_listings) a directory follows:
+    its own, unless its own keeps no listings and at least LISTING_SHARE of its files
+    are of one class that does: then that class (`ls -l` of a directory of 2,000
+    images after a remount: no LIST within the dataset TTL)."""
+    if own.keep_listings:
+        return own
+    counts: Counter[str] = Counter()
+    by_name: dict[str, ClassSettings] = {}
+    total = 0
+    for s in files:
+        total += 1
+        if s.keep_listings:
+            counts[s.name] += 1
+            by_name[s.name] = s
+    if not counts:
+        return own
+    name, n = counts.most_common(1)[0]
+    return by_name[name] if n >= LISTING_SHARE * total else own
 
 
 class KeptListings:
@@ -57,10 +88,11 @@ class KeptListings:
         self._drop.add(prefix)
         self._wake.set()
 
-    async def load(self, prefix: str, ttl: float) -> tuple[Listing, float] | None:
-        """The listing kept for `prefix` if it was taken less than `ttl` seconds ago,
-        and the seconds of its TTL left; else None."""
-        if ttl <= 0 or prefix in self._drop or prefix in self._dropping:
+    async def load(self, prefix: str) -> tuple[Listing, float] | None:
+        """The listing kept for `prefix` and its age in seconds (the caller holds it
+        against the TTL of the class the listing shows: `listing_settings`); None
+        if there is none, or one taken by a clock ahead of ours."""
+        if prefix in self._drop or prefix in self._dropping:
             return None
         try:
             kept = await self.workers.disk(self.cache.kept_listing, prefix)
@@ -71,9 +103,7 @@ class KeptListings:
             return None
         listing, taken = kept
         age = time.time() - taken
-        if not 0 <= age < ttl:  # too old, or taken by a clock ahead of ours
-            return None
-        return listing, ttl - age
+        return None if age < 0 else (listing, age)
 
     async def keep(self, prefix: str, listing: Listing, taken: float, ttl: float,
                    generation: int) -> None:

@@ -186,7 +186,7 @@ def test_hostile_keys_in_a_listing_are_skipped_or_served_safely(tmp_path: Path) 
                    info("x" * 256), info("nul\0byte"), info("ok.txt"), info("sub")],
             dirs=["..", ".", "", "sub", "d\nir", "../../etc"],
         )
-        ns._install_listing(root, listing)
+        ns.listings.install(root, listing)
         assert root.children is not None
         assert sorted(root.children) == ["a\nb", "d\nir", "ok.txt", "sub"]
         assert ns.get(root.children["sub"]).is_dir  # object and prefix: the directory wins

@@ -26,6 +26,11 @@ def policy() -> Policy:
         ("m/model.safetensors", "checkpoint"),
         ("data/shard-000.tar", "dataset"),
         ("data/train.parquet", "dataset"),
+        ("imagenet/train/n01440764/n01440764_10026.JPEG", "dataset"),
+        ("coco/000000000139.jpg", "dataset"),
+        ("speech/clip-0001.flac", "dataset"),
+        ("arrays/x.npy", "dataset"),
+        ("arrays/x.npy.tmp", "staged"),
         ("notes.txt", "default"),
         ("data/latest.txt", "default"),
         # temporary names: staged whatever their final name's class would be
@@ -91,3 +96,20 @@ def test_sizes_and_durations() -> None:
         parse_size("lots")
     with pytest.raises(ConfigError):
         parse_seconds("-1")
+
+
+def test_grouped_rules_keep_first_match_order() -> None:
+    """The rules run as three regex alternations (policy.py): the class is still
+    the first matching rule's, whatever group each rule is in."""
+    rules = (("*.a", "dataset"), ("x*", "staged"), ("**/d/**", "checkpoint"), ("xa", "manifest"),
+             ("*b", "staged"), ("q?", "manifest"), ("*.a.b", "checkpoint"))
+    policy = Policy(rules, DEFAULT_CLASSES, "default")
+    naive = [(glob, glob_to_regex(glob), cls) for glob, cls in rules]
+    names = ["y.a", "xa", "xa.a", "d/xa", "d/q.a", "e/d/zz", "qb", "q.a.b", "z.a.b", "xx", "zz",
+             "qz", "d/d/d", "a"]
+    for name in names:
+        base = name.rsplit("/", 1)[-1]
+        want = next(((g, c) for g, rx, c in naive if rx.match(name if "/" in g else base)),
+                    (None, "default"))
+        got = policy.classify(name)
+        assert (got.rule, got.settings.name) == want, name
