@@ -309,6 +309,9 @@ class MountConfig:
     passthrough: bool = True
 
     # store
+    # What moves the bytes of GETs and uploads: "crt" (the AWS Common Runtime,
+    # store/crt.py) or "botocore" (the fallback; control calls always use it).
+    store_engine: str = "crt"
     part_size: int = PART_SIZE  # ranged GET / multipart part
     max_parallel_gets: int = 16
     max_parallel_puts: int = 8  # upload parts in flight, all uploads together (own slots)
@@ -477,6 +480,16 @@ def _want_level(v: Any) -> str:
     return v
 
 
+STORE_ENGINES = ("crt", "botocore")
+
+
+def _want_engine(v: Any) -> str:
+    v = _want_str(v).lower()
+    if v not in STORE_ENGINES:
+        raise ConfigError(f"store engine must be one of {', '.join(STORE_ENGINES)}, got {v!r}")
+    return v
+
+
 def _want_source(v: Any) -> str:
     v = _want_str(v)
     if not re.match(r"^(s3://[^/]{3,}|file:///)", v):
@@ -541,6 +554,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("cache", "size"): ("cache_size", _want_cache_size),
     ("cache", "min_free"): ("min_free", _want_size),
     ("store", "endpoint_url"): ("endpoint_url", _want_endpoint),
+    ("store", "engine"): ("store_engine", _want_engine),
     ("store", "part_size"): ("part_size", _want_pos_size),
     ("store", "connect_timeout"): ("connect_timeout", _want_finite_seconds),
     ("store", "read_timeout"): ("read_timeout", _want_finite_seconds),

@@ -29,7 +29,7 @@ from tierfs.namespace import Namespace
 from tierfs.policy import Policy
 from tierfs.posix import Defaults
 from tierfs.store.base import Listing, ObjectInfo
-from tierfs.store.s3 import _safe_endpoint
+from tierfs.store.s3client import safe_endpoint
 from tierfs.workers import Workers
 from tierfs.writeback.journal import Journal
 
@@ -158,7 +158,7 @@ def test_credentials_never_in_logs_status_metrics_or_errors(
             assert secret not in text, f"secret in {where}"
         assert f"Credential={ACCESS_KEY}" not in text and "Signature=" not in text, where
     # an endpoint with userinfo is shown without it
-    assert "hunter2" not in _safe_endpoint("http://user:hunter2@127.0.0.1:9000/")
+    assert "hunter2" not in safe_endpoint("http://user:hunter2@127.0.0.1:9000/")
 
 
 def test_hostile_keys_in_a_listing_are_skipped_or_served_safely(tmp_path: Path) -> None:

@@ -197,9 +197,12 @@ def test_get_range_clipping_and_changes(store: S3Store, recorder: Recorder) -> N
 # -- writes ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("engine", ["crt", "botocore"])
 def test_put_file_single_and_multipart(
-    store: S3Store, s3_server: SeaweedServer, bucket: str, tmp_path: Path, recorder: Recorder
+    engine: str, s3_env: dict[str, str], s3_server: SeaweedServer, bucket: str, tmp_path: Path,
+    recorder: Recorder,
 ) -> None:
+    store = open_store(f"s3://{bucket}/src", part_size=5 * MiB, observer=recorder, engine=engine)
     c = s3_server.client()
     small = tmp_path / "small"
     small.write_bytes(os.urandom(1000))
@@ -215,16 +218,25 @@ def test_put_file_single_and_multipart(
     info = store.put_file("s/big", str(big), metadata={"a": "1"}, progress=sent.append)
     body = c.get_object(Bucket=bucket, Key="src/s/big")["Body"].read()
     assert body == big.read_bytes()
-    assert sum(sent) == info.size == big.stat().st_size and len(sent) == 5
+    assert sum(sent) == info.size == big.stat().st_size
     assert info.etag == store.head("s/big").etag and info.etag.endswith("-5")
     assert store.head("s/big").metadata == {"a": "1"}
-    assert recorder.outcomes("multipart").count("ok") == 7  # create + 5 parts + complete
     assert not c.list_multipart_uploads(Bucket=bucket).get("Uploads")
+    head = c.head_object(Bucket=bucket, Key="src/s/big", ChecksumMode="ENABLED")
+    if engine == "crt":
+        # One request as far as tierfs sees it; the store checked a CRC32C per part.
+        assert recorder.outcomes("put") == ["ok", "ok"] and not recorder.outcomes("multipart")
+        assert head["ChecksumCRC32C"].endswith("-5")
+    else:
+        assert len(sent) == 5
+        assert recorder.outcomes("multipart").count("ok") == 7  # create + 5 parts + complete
+        assert "ChecksumCRC32C" not in head
 
 
-def test_uploads_do_not_hash_the_payload(store: S3Store, tmp_path: Path) -> None:
-    """SigV4 over plain http would SHA-256 every uploaded byte; the store opts out
-    (UNSIGNED-PAYLOAD), and the real server accepts it."""
+def test_uploads_do_not_hash_the_payload(boto3_store: S3Store, tmp_path: Path) -> None:
+    """SigV4 over plain http would SHA-256 every uploaded byte; botocore's uploads opt
+    out (UNSIGNED-PAYLOAD), and the real server accepts it."""
+    store = boto3_store
     seen: list[str] = []
 
     def grab(request: object, **_: object) -> None:
@@ -352,11 +364,12 @@ def via_proxy(s3_env: dict[str, str], bucket: str, proxy: FaultProxy, s3_server:
     return "k", body, make
 
 
+@pytest.mark.parametrize("engine", ["crt", "botocore"])
 def test_throttling_retries_until_deadline(
-    via_proxy, proxy: FaultProxy, recorder: Recorder
+    engine: str, via_proxy, proxy: FaultProxy, recorder: Recorder
 ) -> None:
     key, _, make = via_proxy
-    store = make(deadline=2.0, observer=recorder)
+    store = make(deadline=2.0, observer=recorder, engine=engine)
     proxy.set_rules([Rule("503", ops={"get"})])
     t0 = time.monotonic()
     with pytest.raises(StoreError) as ei:
@@ -367,12 +380,14 @@ def test_throttling_retries_until_deadline(
     assert 2.0 <= elapsed < 4.0
     outcomes = recorder.outcomes("get")
     assert outcomes[-1] == "throttled" and outcomes.count("retry") >= 3
-    assert proxy.stats()[("get", "503")] == len(outcomes)
+    # The runtime tries each request 3 times (crt._RETRIES) before tierfs sees it fail.
+    tries = 3 if engine == "crt" else 1
+    assert proxy.stats()[("get", "503")] == tries * len(outcomes)
 
 
 def test_truncated_body_is_resumed(via_proxy, proxy: FaultProxy, recorder: Recorder) -> None:
     key, body, make = via_proxy
-    store = make(observer=recorder)
+    store = make(observer=recorder, engine="botocore")
     proxy.set_rules([Rule("503", ops={"get"}, count=1), Rule("truncate", ops={"get"}, count=1)])
     assert store.get_range(key, 10, 40) == body[10:50]
     # The retry after the cut asks only for what is still missing.
@@ -382,24 +397,29 @@ def test_truncated_body_is_resumed(via_proxy, proxy: FaultProxy, recorder: Recor
     assert recorder.outcomes("get") == ["retry", "retry", "ok"]
 
 
-# -- the lean GET path (S3Store._get without boto3's get_object) ---------------------
+def test_truncated_body_is_retried_by_the_runtime(
+    via_proxy, proxy: FaultProxy, recorder: Recorder
+) -> None:
+    """The runtime retries a failed or cut part itself (the whole part again):
+    tierfs sees one request that succeeded."""
+    key, body, make = via_proxy
+    store = make(observer=recorder)
+    proxy.set_rules([Rule("503", ops={"get"}, count=1), Rule("truncate", ops={"get"}, count=1)])
+    assert store.get_range(key, 10, 40) == body[10:50]
+    gets = [e for e in proxy.log if e.op == "get"]
+    assert [e.fault for e in gets] == ["503", "truncate", "none"]
+    assert {e.range for e in gets} == {"bytes=10-49"}
+    assert recorder.outcomes("get") == ["ok"]
 
 
-def _boto3_gets(store: S3Store) -> list[str]:
-    """The GetObject requests boto3 sends for `store` from now on (lean GETs send none)."""
-    sent: list[str] = []
-    store._client.meta.events.register(
-        "before-send.s3.GetObject", lambda request, **_: sent.append(request.url)
-    )
-    return sent
+# -- the transfer engine (the AWS Common Runtime) against botocore's GETs ----------
 
 
 @pytest.fixture
 def boto3_store(s3_env: dict[str, str], bucket: str) -> S3Store:
-    """The same source as `store`, its GETs through boto3's get_object."""
-    s = open_store(f"s3://{bucket}/src", part_size=5 * MiB, observer=Recorder())
-    assert isinstance(s, S3Store)
-    s._lean = None
+    """The same source as `store`, through the fallback engine (botocore)."""
+    s = open_store(f"s3://{bucket}/src", part_size=5 * MiB, observer=Recorder(), engine="botocore")
+    assert isinstance(s, S3Store) and s.engine is None
     return s
 
 
@@ -407,9 +427,7 @@ def _failure(s: S3Store, key: str, start: int, length: int, etag: str | None = N
     with pytest.raises(StoreError) as ei:
         s.get_range(key, start, length, etag=etag)
     e = ei.value
-    cause = e.__cause__
-    code = cause.response["Error"]["Code"] if hasattr(cause, "response") else None
-    return e.kind, e.errno, str(e).split(" (gave up")[0], type(cause).__name__, code
+    return e.kind, e.errno, str(e).split(" (gave up")[0]
 
 
 ODD_KEYS = [
@@ -419,9 +437,8 @@ ODD_KEYS = [
 ]
 
 
-def test_lean_get_reads_odd_keys_byte_identical(store: S3Store, boto3_store: S3Store) -> None:
-    assert store._lean is not None and store._lean.path.endswith(f"/{store.bucket}/")
-    sent = _boto3_gets(store)
+def test_engine_get_reads_odd_keys_byte_identical(store: S3Store, boto3_store: S3Store) -> None:
+    assert store.engine is not None
     accepted = []
     for key in ODD_KEYS:
         data = os.urandom(3000) + key.encode()
@@ -439,60 +456,75 @@ def test_lean_get_reads_odd_keys_byte_identical(store: S3Store, boto3_store: S3S
         assert bytes(part) == data[7:107]
         assert boto3_store.get_range(key, 0, len(data)) == data
     assert len(accepted) >= len(ODD_KEYS) - 3, accepted
-    assert sent == []  # every GET above was a lean one
+    assert store.engine.moved["get"] == sum(3100 + len(k.encode()) for k in accepted)
 
 
-def test_lean_get_errors_are_classified_as_boto3s(
+def test_engine_errors_are_classified_as_botocores(
     store: S3Store, boto3_store: S3Store, recorder: Recorder, s3_env: dict[str, str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    sent = _boto3_gets(store)
+    """Each kind, produced by the real server, maps the same through either engine."""
     info = store.put_bytes("obj", b"x" * 100)
     missing = _failure(store, "missing", 0, 10)
     assert missing == _failure(boto3_store, "missing", 0, 10)
-    assert missing[:2] == ("not_found", errno.ENOENT) and missing[3:] == ("NoSuchKey", "NoSuchKey")
+    assert missing[:2] == ("not_found", errno.ENOENT) and "NoSuchKey" not in missing[2]
     stale = _failure(store, "obj", 0, 10, etag="0" * 32)  # If-Match a wrong ETag: 412
     assert stale == _failure(boto3_store, "obj", 0, 10, etag="0" * 32)
-    assert stale[:2] == ("changed", errno.ESTALE) and stale[4] == "PreconditionFailed"
+    assert stale[:2] == ("changed", errno.ESTALE)
     assert store.get_range("obj", 0, 10, etag=info.etag) == b"x" * 10
-    # One request each, none redone through boto3.
-    assert recorder.outcomes("get") == ["not_found", "changed", "ok"] and sent == []
+    assert recorder.outcomes("get") == ["not_found", "changed", "ok"]
 
     nobucket = open_store("s3://no-such-bucket-tierfs")
-    plain = open_store("s3://no-such-bucket-tierfs")
-    assert isinstance(nobucket, S3Store) and isinstance(plain, S3Store)
-    plain._lean = None
+    plain = open_store("s3://no-such-bucket-tierfs", engine="botocore")
     assert _failure(nobucket, "k", 0, 1) == _failure(plain, "k", 0, 1)
     assert _failure(nobucket, "k", 0, 1)[:2] == ("no_bucket", errno.ENOENT)
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-xyzzy")
     bad = open_store(store.url)
-    badplain = open_store(store.url)
-    assert isinstance(bad, S3Store) and isinstance(badplain, S3Store)
-    badplain._lean = None
+    badplain = open_store(store.url, engine="botocore")
     denied = _failure(bad, "obj", 0, 10)
     assert denied == _failure(badplain, "obj", 0, 10)
     assert denied[:2] == ("access_denied", errno.EACCES) and "xyzzy" not in denied[2]
+    with pytest.raises(StoreError) as ei:
+        bad.put_file("up", __file__)
+    assert ei.value.kind == "access_denied" and ei.value.errno == errno.EACCES
 
 
-def test_lean_get_metadata_reaches_on_metadata(store: S3Store, boto3_store: S3Store) -> None:
+def test_engine_invalid_and_precondition_uploads(store: S3Store, tmp_path: Path) -> None:
+    """A refused upload through the runtime: 412 on a failed condition (the runtime
+    passes it to CompleteMultipartUpload), 400 KeyTooLong-like refusals as invalid."""
+    big = tmp_path / "big"
+    big.write_bytes(os.urandom(11 * MiB))
+    first = store.put_file("cond", str(big), if_none_match=True)
+    with pytest.raises(StoreError) as ei:
+        store.put_file("cond", str(big), if_none_match=True)
+    assert (ei.value.kind, ei.value.errno) == ("precondition", errno.ESTALE)
+    with pytest.raises(StoreError) as ei:
+        store.put_file("cond", str(big), if_match="0" * 32)
+    assert ei.value.kind == "precondition"
+    assert store.put_file("cond", str(big), if_match=first.etag).etag != ""
+    with pytest.raises(StoreError) as ei:
+        store.put_file("x" * 1100, str(big))
+    assert ei.value.kind == "invalid"
+
+
+def test_engine_metadata_reaches_on_metadata(store: S3Store, boto3_store: S3Store) -> None:
     meta = {"Class": "checkpoint", "owner": "Me", "x-y": "1"}
     info = store.put_bytes("m", b"abc" * 100, metadata=meta)
     store.put_bytes("plain", b"abc")
-    seen: dict[str, list] = {"lean": [], "boto3": []}
-    store.on_metadata = lambda *a: seen["lean"].append(a)
+    seen: dict[str, list] = {"crt": [], "boto3": []}
+    store.on_metadata = lambda *a: seen["crt"].append(a)
     boto3_store.on_metadata = lambda *a: seen["boto3"].append(a)
     for s in (store, boto3_store):
         assert s.get_range("m", 5, 10) == (b"abc" * 100)[5:15]
         assert s.get_range("plain", 0, 10) == b"abc"  # no user metadata: not called
-    assert seen["lean"] == seen["boto3"]
-    assert seen["lean"] == [("m", info.etag, {"class": "checkpoint", "owner": "Me", "x-y": "1"})]
+    assert seen["crt"] == seen["boto3"]
+    assert seen["crt"] == [("m", info.etag, {"class": "checkpoint", "owner": "Me", "x-y": "1"})]
 
 
-def test_lean_get_past_eof_and_empty(
+def test_engine_get_past_eof_and_empty(
     store: S3Store, boto3_store: S3Store, recorder: Recorder
 ) -> None:
-    sent = _boto3_gets(store)
     data = os.urandom(1000)
     store.put_bytes("obj", data)
     store.put_bytes("empty", b"")
@@ -503,50 +535,32 @@ def test_lean_get_past_eof_and_empty(
         assert s.get_range("empty", 0, 4096) == b""
         buf = bytearray(10)
         assert s.get_range_into("obj", 2000, 10, memoryview(buf)) == 0
-    assert recorder.outcomes("get") == ["ok"] * 5 and sent == []
+    assert recorder.outcomes("get") == ["ok"] * 5
 
 
-def test_lean_get_session_token_is_signed(
-    store: S3Store, boto3_store: S3Store, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """SeaweedFS (static identities) refuses any session token: both paths send one
-    and get the same answer; the lean GET signs X-Amz-Security-Token."""
-    store.put_bytes("obj", b"x")
-    monkeypatch.setenv("AWS_SESSION_TOKEN", "tok-123")
-    lean = open_store(store.url)
-    plain = open_store(store.url)
-    assert isinstance(lean, S3Store) and isinstance(plain, S3Store) and lean._lean is not None
-    plain._lean = None
-    sent: list[dict[str, str]] = []
-    pool = lean._lean.pool
-    urlopen = pool.urlopen
-    monkeypatch.setattr(
-        pool, "urlopen", lambda *a, **kw: sent.append(kw["headers"]) or urlopen(*a, **kw)
-    )
-    failure = _failure(lean, "obj", 0, 1)
-    assert failure == _failure(plain, "obj", 0, 1) and failure[0] == "access_denied"
-    assert sent[0]["X-Amz-Security-Token"] == "tok-123"
-    assert "x-amz-security-token" in sent[0]["Authorization"]
-    assert sent[0]["X-Amz-Content-SHA256"] == "UNSIGNED-PAYLOAD"
+def test_engine_get_spans_parts(store: S3Store) -> None:
+    """A range over several parts: the runtime sends them at once, the body pieces
+    land in order at their offsets."""
+    data = os.urandom(13 * MiB + 7)
+    store.put_bytes("multi", data)
+    assert store.get_range("multi", 3, len(data)) == data[3:]
+    buf = bytearray(12 * MiB)
+    assert store.get_range_into("multi", MiB + 1, 12 * MiB, memoryview(buf)) == 12 * MiB
+    assert bytes(buf) == data[MiB + 1 : 13 * MiB + 1]
 
 
-def test_lean_get_unreachable_as_boto3(s3_env: dict[str, str]) -> None:
+def test_engine_unreachable_as_botocore(s3_env: dict[str, str]) -> None:
     url = f"http://127.0.0.1:{_free_port()}"
-    lean = S3Store("b", endpoint_url=url, deadline=0.5, connect_timeout=0.2)
-    plain = S3Store("b", endpoint_url=url, deadline=0.5, connect_timeout=0.2)
-    assert lean._lean is not None
-    plain._lean = None
-    failure = _failure(lean, "k", 0, 1)
+    crt = S3Store("bkt", endpoint_url=url, deadline=2.0, connect_timeout=0.2)
+    plain = S3Store("bkt", endpoint_url=url, deadline=2.0, connect_timeout=0.2, engine="botocore")
+    failure = _failure(crt, "k", 0, 1)
     assert failure == _failure(plain, "k", 0, 1)
     assert failure[:2] == ("unreachable", errno.EIO) and "connection refused" in failure[2]
 
 
-def test_lean_get_reuses_connections_and_is_thread_safe(store: S3Store) -> None:
+def test_engine_is_thread_safe(store: S3Store) -> None:
     data = os.urandom(300_000)
     store.put_bytes("big", data)
-    for i in range(20):
-        assert store.get_range("big", i * 1000, 5000) == data[i * 1000 : i * 1000 + 5000]
-    assert store._lean is not None and store._lean.pool.num_connections == 1
 
     def one(i: int) -> bool:
         off = (i * 7919) % len(data)
@@ -556,51 +570,7 @@ def test_lean_get_reuses_connections_and_is_thread_safe(store: S3Store) -> None:
         assert all(pool.map(one, range(200)))
 
 
-def test_lean_get_encoded_body_as_boto3(
-    store: S3Store, boto3_store: S3Store, s3_server: SeaweedServer, bucket: str
-) -> None:
-    """A Content-Encoding body takes urllib3's readinto: the stored bytes, undecoded, as boto3."""
-    import gzip
-
-    raw = gzip.compress(os.urandom(2000) * 3)
-    s3_server.client().put_object(Bucket=bucket, Key="src/gz", Body=raw, ContentEncoding="gzip")
-    assert store.get_range("gz", 0, len(raw)) == raw == boto3_store.get_range("gz", 0, len(raw))
-    assert store.get_range("gz", 10, 20) == raw[10:30]
-
-
-def test_lean_get_redirect_is_redone_by_boto3(
-    store: S3Store, monkeypatch: pytest.MonkeyPatch, recorder: Recorder
-) -> None:
-    """A 301 (S3's answer in the wrong region) goes to boto3, which follows redirects;
-    once that worked, the store's GETs stay with boto3."""
-    import urllib3
-
-    store.put_bytes("obj", b"hello")
-    sent = _boto3_gets(store)
-    moved = urllib3.HTTPResponse(body=b"<Error><Code>PermanentRedirect</Code></Error>", status=301,
-                                 headers={"Content-Type": "application/xml"}, preload_content=False)
-    monkeypatch.setattr(store, "_lean_send", lambda *a: moved)
-    assert store.get_range("obj", 0, 5) == b"hello"
-    assert store._lean is None and len(sent) == 1 and recorder.outcomes("get") == ["ok"]
-
-
-def test_lean_path_off_behind_a_proxy_and_tls_setup(
-    s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    import urllib3
-
-    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
-    monkeypatch.delenv("NO_PROXY", raising=False)
-    monkeypatch.delenv("no_proxy", raising=False)
-    assert S3Store("b", endpoint_url="http://s3.example.test")._lean is None
-    monkeypatch.setenv("NO_PROXY", "s3.example.test")
-    assert S3Store("b", endpoint_url="http://s3.example.test")._lean is not None
-    monkeypatch.delenv("HTTP_PROXY")
-
-    bundle = tmp_path / "ca.pem"
-    bundle.write_text("")
-    monkeypatch.setenv("AWS_CA_BUNDLE", str(bundle))
-    lean = S3Store("b", endpoint_url="https://s3.example.test:9443/base")._lean
-    assert lean is not None and isinstance(lean.pool, urllib3.HTTPSConnectionPool)
-    assert (lean.origin, lean.path) == ("https://s3.example.test:9443", "/base/b/")
-    assert lean.pool.ca_certs == str(bundle) and lean.pool.cert_reqs == "CERT_REQUIRED"
+def test_unknown_engine_is_a_clear_error(s3_env: dict[str, str]) -> None:
+    with pytest.raises(StoreError) as ei:
+        open_store("s3://bkt", engine="curl")
+    assert ei.value.kind == "invalid" and "expected one of crt, botocore" in str(ei.value)

@@ -30,12 +30,12 @@ from contextlib import contextmanager, suppress
 
 from tierfs.config import MAX_KEY_BYTES
 from tierfs.store.base import Listing, ObjectInfo, RequestObserver, StoreError, key_too_long
+from tierfs.store.localparts import NO_XATTR, LocalUploads, get_tags, set_tags
 
 log = logging.getLogger("tierfs.store")
 
 HIDDEN_PREFIX = ".tierfs-"  # lock and temp files; never listed, never valid keys
 META_XATTR = "user.tierfs.meta."
-TAG_XATTR = "user.tierfs.tag."
 COPY_CHUNK = 8 << 20
 
 # POSIX locks are per process, so threads of this process also need a mutex.
@@ -52,7 +52,6 @@ _KIND_BY_ERRNO = {
     errno.EINVAL: "invalid",
     errno.EEXIST: "invalid",
 }
-_NO_XATTR = (errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENODATA, errno.EPERM)
 
 
 def etag_of(st: os.stat_result) -> str:
@@ -68,7 +67,7 @@ def _read_meta(fd: int) -> dict[str, str]:
         names = [n for n in os.listxattr(fd) if n.startswith(META_XATTR)]
         return {n[len(META_XATTR) :]: os.getxattr(fd, n).decode("utf-8", "replace") for n in names}
     except OSError as exc:
-        if exc.errno in _NO_XATTR:
+        if exc.errno in NO_XATTR:
             return {}
         raise
 
@@ -82,7 +81,7 @@ def _write_meta(fd: int, metadata: dict[str, str]) -> None:
         try:
             os.setxattr(fd, META_XATTR + name.lower(), value.encode())
         except OSError as exc:
-            if exc.errno not in _NO_XATTR:
+            if exc.errno not in NO_XATTR:
                 raise
             log.debug("user xattrs unsupported here: object metadata not kept")
             return
@@ -134,10 +133,7 @@ class LocalStore:
         self.identity = f"file|{self.root}"
         self.observer = observer
         self._lock_fd: int | None = None
-        # Multipart uploads in progress: id -> (key, temp file, metadata). Their parts
-        # land in the temp file at their offsets; completing publishes it.
-        self._uploads: dict[str, tuple[str, str, dict[str, str]]] = {}
-        self._uploads_mu = threading.Lock()
+        self._uploads = LocalUploads(self._op, self._temp_beside, self._publish)
 
     def probe_conditional_put(self) -> bool:
         """Nothing to probe: conditions are checked here, under the lock."""
@@ -471,41 +467,13 @@ class LocalStore:
         return True
 
     def create_upload(self, key: str, *, metadata: dict[str, str] | None = None) -> str:
-        if key.endswith("/"):
-            raise _invalid(f"put '{key}': a key ending in '/' is a directory marker")
-        with self._op("multipart", key):
-            tmp = self._temp_beside(key)
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
-            upload_id = uuid.uuid4().hex
-            with self._uploads_mu:
-                self._uploads[upload_id] = (key, tmp, dict(metadata or {}))
-            return upload_id
-
-    def _upload(self, key: str, upload_id: str) -> tuple[str, dict[str, str]]:
-        with self._uploads_mu:
-            found = self._uploads.get(upload_id)
-        if found is None or found[0] != key:
-            raise StoreError(f"no upload {upload_id} of '{key}'", errno_=errno.ENOENT,
-                             kind="not_found")
-        return found[1], found[2]
+        return self._uploads.create(key, metadata or {})
 
     def upload_part(
         self, key: str, upload_id: str, number: int, offset: int, data: bytes | memoryview,
         *, content_md5: str | None = None,
     ) -> str:
-        with self._op("multipart", key) as nbytes:
-            tmp, _ = self._upload(key, upload_id)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                view = memoryview(data).cast("B")
-                pos = offset
-                while view:
-                    n = os.pwrite(fd, view, pos)
-                    view, pos = view[n:], pos + n
-            finally:
-                os.close(fd)
-            nbytes[0] = len(data)
-            return f"{number}-{offset:x}-{len(data):x}"
+        return self._uploads.part(key, upload_id, number, offset, data)
 
     def complete_upload(
         self,
@@ -517,52 +485,19 @@ class LocalStore:
         if_match: str | None = None,
         if_none_match: bool = False,
     ) -> ObjectInfo:
-        with self._op("multipart", key):
-            tmp, metadata = self._upload(key, upload_id)
-            if os.stat(tmp).st_size != size:
-                raise StoreError(f"complete '{key}': parts hold {os.stat(tmp).st_size} bytes, "
-                                 f"not {size}", errno_=errno.EIO, kind="io")
-            info = self._publish(key, lambda fd: None, metadata, if_match, if_none_match, tmp)
-            with self._uploads_mu:
-                self._uploads.pop(upload_id, None)
-            return info
+        return self._uploads.complete(key, upload_id, size, if_match, if_none_match)
 
     def abort_upload(self, key: str, upload_id: str) -> None:
-        with self._uploads_mu:
-            found = self._uploads.pop(upload_id, None)
-        if found is not None:
-            with suppress(FileNotFoundError):
-                os.unlink(found[1])
+        self._uploads.abort(upload_id)
 
     def put_tags(self, key: str, tags: dict[str, str]) -> None:
         """Tags are `user.tierfs.tag.*` xattrs (not kept where xattrs are not)."""
         with self._op("tagging", key):
-            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                try:
-                    for name in [n for n in os.listxattr(fd) if n.startswith(TAG_XATTR)]:
-                        os.removexattr(fd, name)
-                    for name, value in tags.items():
-                        os.setxattr(fd, TAG_XATTR + name, value.encode())
-                except OSError as exc:
-                    if exc.errno not in _NO_XATTR:
-                        raise
-            finally:
-                os.close(fd)
+            set_tags(self._path(key), tags)
 
     def get_tags(self, key: str) -> dict[str, str]:
         with self._op("tagging", key):
-            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                names = [n for n in os.listxattr(fd) if n.startswith(TAG_XATTR)]
-                return {n[len(TAG_XATTR):]: os.getxattr(fd, n).decode("utf-8", "replace")
-                        for n in names}
-            except OSError as exc:
-                if exc.errno in _NO_XATTR:
-                    return {}
-                raise
-            finally:
-                os.close(fd)
+            return get_tags(self._path(key))
 
     def copy(self, src: str, dst: str, *, metadata: dict[str, str] | None = None) -> ObjectInfo:
         with self._op("copy", dst):

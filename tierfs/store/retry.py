@@ -61,6 +61,9 @@ class Failure:
     errno: int
     reason: str  # one line, never with credentials or signed URLs
     retryable: bool
+    # The attempt was cut short at the operation's deadline: what the attempt
+    # before it met (if any) says more about the store than "no answer in time".
+    cut: bool = False
 
 
 def call_with_retries(
@@ -99,6 +102,7 @@ def _retry_loop(
     observer: RequestObserver | None,
 ) -> T:
     tries = 0
+    previous: Failure | None = None
     while True:
         tries += 1
         t0 = time.monotonic()
@@ -108,6 +112,9 @@ def _retry_loop(
             failure = classify(exc)
             if failure is None:
                 raise
+            if failure.cut and previous is not None:
+                failure = previous
+            previous = failure
             now = time.monotonic()
             # The last sleep is cut short so that one attempt lands at the deadline
             # (an adapter cuts that attempt's reads to the time left: time_left()).

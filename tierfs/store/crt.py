@@ -1,0 +1,222 @@
+"""The transfer engine: GETs and file uploads through the AWS Common Runtime.
+
+One `awscrt.s3.S3Client` per mount moves the bytes in the runtime's own
+threads (named `AwsEventLoop...` in /proc/self/task), none of which holds the
+GIL while it reads sockets, signs, splits or checksums: an upload is read from
+the sealed tier-1 file by the runtime itself (multipart, parts in parallel,
+CRC32C per part verified by the store), and a GET hands each part's body to a
+Python callback once (a part is tens of MiB). Python keeps the decisions:
+which ranges, when, how many at once, retries and the deadline
+(retry.call_with_retries around each request, as for botocore's).
+
+What the Python binding (awscrt 0.38) lacks, and the smallest workaround:
+- no read timeout: a request still running at its operation's deadline is
+  cancelled (`Deadline`), so a stalled store fails the operation in time;
+- no way to write a GET at an offset of an existing file (`recv_filepath`
+  creates the file): the body callback gets each part as `bytes` (one copy,
+  made by the binding) and the caller's sink puts it where it belongs;
+- no way to turn the runtime's own retries off: they are kept few and short,
+  and the deadline bounds them.
+
+Requests are path-style (`/bucket/key`) with an explicit Host header (the
+client takes host and port from it); TLS follows the endpoint's scheme.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from awscrt import auth, http, io, s3
+from awscrt.exceptions import AwsCrtError
+from botocore.credentials import Credentials
+from botocore.exceptions import NoCredentialsError
+from botocore.utils import percent_encode
+
+from tierfs.store.retry import time_left
+from tierfs.store.s3errors import Deadline
+
+MiB = 1 << 20
+# The runtime refuses a memory limit under 256 MiB.
+MIN_MEMORY = 256 * MiB
+CHECKSUM = s3.S3ChecksumConfig(
+    algorithm=s3.S3ChecksumAlgorithm.CRC32C, location=s3.S3ChecksumLocation.TRAILER
+)
+# The runtime's own retries (per part): few and short; retry.py owns the rest.
+_RETRIES = s3.S3RetryConfig(max_retries=2, backoff_scale_factor_ms=25, max_backoff_secs=1)
+# A request may run this long past its operation's deadline: the last attempt,
+# started at the deadline (retry.py), still gets the store's answer (a 503's
+# kind, not "timeout"), as botocore's requests get at least 0.05 s of read time.
+GRACE = 0.25
+
+Sink = Callable[[int, bytes], None]  # (object offset, body piece): called in a runtime thread
+
+
+@dataclass
+class Answer:
+    """What a request's first response said (headers), and the body bytes it gave."""
+
+    status: int = 0
+    headers: dict[str, str] = field(default_factory=dict)  # names lowercased
+    received: int = 0
+
+    def on_headers(self, status_code: int, headers: list[tuple[str, str]], **_: object) -> None:
+        self.status = status_code
+        self.headers = {k.lower(): v for k, v in headers}
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads, split into the runtime's
+    (`AwsEventLoop...`) and every other ("python"), from /proc/self/task."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"python": 0.0, "runtime": 0.0}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        kind = "runtime" if comm.startswith("AwsEventLoop") else "python"
+        out[kind] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+class CrtEngine:
+    """GETs and file PUTs of one bucket through one runtime S3 client."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        bucket: str,
+        *,
+        region: str,
+        credentials: Credentials | None,
+        part_size: int,
+        memory_limit: int,
+        max_connections: int,
+        connect_timeout: float,
+        ca_file: str | None = None,
+    ) -> None:
+        parts = urlsplit(endpoint)
+        self.host = parts.netloc
+        self.bucket_path = f"{parts.path.rstrip('/')}/{percent_encode(bucket, safe='')}/"
+        self.part_size = part_size
+        self._credentials = credentials
+        self._lock = threading.Lock()
+        self.moved = {"get": 0, "put": 0}  # bytes, for status and metrics
+        provider = auth.AwsCredentialsProvider.new_delegate(self._frozen)
+        signing = s3.create_default_s3_signing_config(region=region, credential_provider=provider)
+        tls = None
+        if parts.scheme == "https":
+            options = io.TlsContextOptions()
+            if ca_file:
+                options.override_default_trust_store_from_path(ca_filepath=ca_file)
+            tls = io.ClientTlsContext(options).new_connection_options()
+            tls.set_server_name(parts.hostname or "")
+        self._client = s3.S3Client(
+            region=region,
+            tls_mode=s3.S3RequestTlsMode.ENABLED if tls else s3.S3RequestTlsMode.DISABLED,
+            tls_connection_options=tls,
+            signing_config=signing,
+            part_size=part_size,
+            multipart_upload_threshold=part_size,
+            memory_limit=max(MIN_MEMORY, memory_limit),
+            max_active_connections_override=max_connections,
+            retry_config=_RETRIES,
+            connect_timeout_ms=max(1, round(connect_timeout * 1000)),
+        )
+
+    def _frozen(self) -> auth.AwsCredentials:
+        """The client's credentials, asked for by the runtime as it signs (botocore's
+        own credentials object: refreshed in place when they expire)."""
+        if self._credentials is None:
+            raise NoCredentialsError()
+        c = self._credentials.get_frozen_credentials()
+        return auth.AwsCredentials(c.access_key, c.secret_key, c.token)
+
+    def _request(self, method: str, full: str, headers: list[tuple[str, str]]) -> http.HttpRequest:
+        path = self.bucket_path + percent_encode(full, safe="/~")
+        return http.HttpRequest(method, path, http.HttpHeaders([("Host", self.host), *headers]))
+
+    def get(
+        self, full: str, start: int, end: int, etag: str | None, sink: Sink, answer: Answer
+    ) -> None:
+        """GET bytes [start, end] (inclusive) of `full`; each body piece goes to
+        `sink(object offset, bytes)` as it arrives (in order, from a runtime
+        thread), after `answer` got the first response's headers. If-Match `etag`
+        (quoted) where given. Raises what the runtime raised (s3errors.classify
+        maps it), or Deadline."""
+        headers = [("Range", f"bytes={start}-{end}")]
+        if etag is not None:
+            headers.append(("If-Match", etag))
+
+        def on_body(chunk: bytes, offset: int, **_: object) -> None:
+            sink(offset, chunk)
+            answer.received += len(chunk)
+
+        request = self._client.make_request(
+            type=s3.S3RequestType.GET_OBJECT,
+            request=self._request("GET", full, headers),
+            on_headers=answer.on_headers,
+            on_body=on_body,
+        )
+        try:
+            _wait(request)
+        finally:
+            self._count("get", answer.received)
+
+    def put_file(
+        self, full: str, path: str, size: int, headers: list[tuple[str, str]],
+        progress: Callable[[int], None] | None,
+    ) -> Answer:
+        """PUT the file at `path` (`size` bytes) as `full`: the runtime reads it,
+        one PutObject up to part_size, else a multipart upload of parts in
+        parallel, each with a CRC32C the store verifies. `headers`: user metadata
+        and conditions (the runtime sends conditions with CompleteMultipartUpload).
+        `progress(n)` is called from a runtime thread as bytes are acknowledged."""
+        answer = Answer()
+
+        def on_progress(n: int) -> None:
+            if progress is not None:
+                progress(n)
+
+        request = self._client.make_request(
+            type=s3.S3RequestType.PUT_OBJECT,
+            request=self._request("PUT", full, [("Content-Length", str(size)), *headers]),
+            send_filepath=path,
+            checksum_config=CHECKSUM,
+            on_headers=answer.on_headers,
+            on_progress=on_progress,
+        )
+        _wait(request)
+        self._count("put", size)
+        return answer
+
+    def _count(self, what: str, n: int) -> None:
+        with self._lock:
+            self.moved[what] += n
+
+
+def _wait(request: s3.S3Request) -> None:
+    """Wait for `request`, at most until the running operation's deadline (and
+    GRACE): then it is cancelled, and waited for (its callbacks must be over
+    before the caller's buffers are reused), and Deadline raised unless it
+    failed otherwise meanwhile."""
+    future = request.finished_future
+    left = time_left()
+    try:
+        future.result(timeout=None if left is None else max(0.0, left) + GRACE)
+    except FutureTimeout:
+        request.cancel()
+        try:
+            future.result()
+        except AwsCrtError as exc:
+            if exc.name != "AWS_ERROR_S3_CANCELED":
+                raise
+        raise Deadline() from None
