@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -50,7 +50,7 @@ from tierfs.cache.index import (
     key_hash,
     order_key,
 )
-from tierfs.cache.objects import ChunkCorrupt, Entry, nchunks, tree_digest
+from tierfs.cache.objects import ChunkCorrupt, Entry, Fill, file_digests, nchunks, tree_digest
 from tierfs.cache.space import punch_hole
 from tierfs.config import CHUNK_SIZE, MIN_FREE_DEFAULT
 from tierfs.store.base import Listing
@@ -69,6 +69,8 @@ __all__ = [
     "CachedObject",
     "ChunkCorrupt",
     "Entry",
+    "Fill",
+    "WholeFill",
     "tree_digest",
 ]
 
@@ -99,6 +101,26 @@ class CacheUnwritable(Exception):
 
 class CacheConflict(Exception):
     """The cache dir belongs to another source and still holds its pending uploads."""
+
+
+class WholeFill:
+    """A whole object's new tier-1 file, being written by its fetcher (`Cache.whole_fill`)."""
+
+    def __init__(self, cache: Cache, fd: int, fid: bytes,
+                 identity: tuple[str, str, float, int]) -> None:
+        self.fd = fd
+        self.start = 0
+        self.end = identity[3]
+        self.fid = fid
+        self.identity = identity  # key, etag, mtime, size
+        self.kept = False
+        self._cache = cache
+
+    def commit(self, digests: Sequence[bytes] | None = None) -> None:
+        """The whole object is written: keep it, with its xxh3-64 checksums per chunk
+        in order (None: read back and taken here), unless refused (see whole_fill):
+        `kept` says which."""
+        self.kept = self._cache._commit_whole(self, digests)
 
 
 @dataclass(frozen=True)
@@ -543,16 +565,48 @@ class Cache:
 
     def put_whole(self, key: str, etag: str, mtime: float, data: memoryview) -> bool:
         """Keep a whole clean object fetched ahead of its reader (a small object of a
-        directory walk): its file written and its record and chunk checksums in one
-        index transaction, its chunks marked verified for its next open. Not a use
-        for eviction. False, and nothing done, where tier 1 has this version already,
-        holds a local one, or the key is open (its holder fetches what it lacks).
-        One transaction instead of the three of open, store and release: index
-        commits were a sixth of the daemon's CPU in a walk through 10,000 small
-        objects (issue 21)."""
+        directory walk): `whole_fill` with the bytes at hand."""
+        cs = self.chunk_size
+        digests = [xxhash.xxh3_64_digest(data[o : o + cs]) for o in range(0, len(data), cs)]
+        with self.whole_fill(key, etag, mtime, len(data)) as fill:
+            pwrite_all(fill.fd, data, 0)
+            fill.commit(digests)
+        return fill.kept
+
+    @contextmanager
+    def whole_fill(self, key: str, etag: str, mtime: float, size: int) -> Iterator[WholeFill]:
+        """A new tier-1 file for a whole clean object, for its fetcher to write
+        (`WholeFill.fd`, from any thread) and `commit`: its record and chunk
+        checksums then go in with one index transaction, its chunks marked
+        verified for its next open. Not a use for eviction. The file is nobody's
+        until the commit (a fresh name), so the key is not held while the bytes
+        arrive; the commit refuses it (False, the file dropped) where tier 1 has
+        this version already, holds a local one, or the key is open (its holder
+        fetches what it lacks). One transaction instead of the three of open,
+        store and release: index commits were a sixth of the daemon's CPU in a
+        walk through 10,000 small objects (issue 21)."""
         if self._identity is None:
-            raise RuntimeError("Cache.bind(identity) must come before put_whole()")
-        size = len(data)
+            raise RuntimeError("Cache.bind(identity) must come before whole_fill()")
+        fid = self._new_fid(key, etag)
+        name = fid.hex()
+        fd = os.open(self._objects + name, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fill = WholeFill(self, fd, fid, (key, etag, mtime, size))
+        try:
+            yield fill
+        finally:
+            os.close(fd)
+            if not fill.kept:
+                (self.objects_dir / name).unlink(missing_ok=True)
+        if fill.kept:
+            self.make_room(None)
+
+    def _commit_whole(self, fill: WholeFill, digests: Sequence[bytes] | None) -> bool:
+        key, etag, mtime, size = fill.identity
+        cs = self.chunk_size
+        if digests is None:
+            digests = list(file_digests(fill.fd, 0, size, cs))
+        if len(digests) != nchunks(size, cs):
+            raise ValueError(f"{len(digests)} checksums for {nchunks(size, cs)} chunks of {key!r}")
         kh = key_hash(key)
         with self._lock:
             if kh in self._busy or kh in self._open:
@@ -564,27 +618,18 @@ class Cache:
                 if rec.state != CLEAN or (rec.etag, rec.size, rec.cached) == (etag, size, size):
                     return False
                 self._drop(kh)  # an older version, or a part of this one
-            fid = self._new_fid(key, etag)
-            fd = os.open(self._objects + fid.hex(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                pwrite_all(fd, data, 0)
-            finally:
-                os.close(fd)
-            cs = self.chunk_size
-            digests = [xxhash.xxh3_64_digest(data[o : o + cs]) for o in range(0, size, cs)]
             now = time.time_ns()
-            rec = Record(fid, key, etag, size, mtime, size, now, now, CLEAN, PROBATION)
+            rec = Record(fill.fid, key, etag, size, mtime, size, now, now, CLEAN, PROBATION)
             with self.index.write() as wt:
                 wt.put(kh, None, rec)
-                wt.put_chunks(fid, 0, digests)
+                wt.put_chunks(fill.fid, 0, digests)
             self.account(wt.used_delta)
-            self.stash(fid, bytearray((VERIFIED,)) * len(digests))
+            self.stash(fill.fid, bytearray((VERIFIED,)) * len(digests))
+            return True
         finally:
             with self._lock:
                 self._busy.discard(kh)
                 self._cond.notify_all()
-        self.make_room(None)
-        return True
 
     def _new_fid(self, key: str, etag: str) -> bytes:
         """A new tier-1 file's id: a hash of source, key and etag; the random tail

@@ -25,11 +25,12 @@ Cache._lock (a leaf).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
@@ -145,6 +146,36 @@ def tree_digest(sums: bytes) -> str:
 
 def nchunks(size: int, chunk_size: int) -> int:
     return -(-size // chunk_size)
+
+
+def file_digests(fd: int, start: int, end: int, chunk_size: int) -> Iterator[bytes]:
+    """The checksums of the chunks of [start, end) of the file behind `fd`, read back
+    (`start` chunk-aligned). Neither the pread nor the hash holds the GIL for the
+    bytes (xxhash drops it above 64 KiB). A file shorter than `end` is an OSError:
+    what was said to be written there is not."""
+    buf = memoryview(bytearray(min(chunk_size, end - start)))
+    for a in range(start, end, chunk_size):
+        n = min(chunk_size, end - a)
+        if _preadv(fd, buf[:n], a) != n:
+            raise OSError(errno.EIO, f"tier-1 file ends before {end}: the fill's bytes are not there")
+        yield xxhash.xxh3_64_digest(buf[:n])
+
+
+class Fill:
+    """Whole chunks of a clean entry's tier-1 file claimed for fetched bytes that
+    their fetcher writes itself (`Entry.filling`): a transfer engine's threads
+    pwrite into `fd` at the object's offsets, then `commit`."""
+
+    def __init__(self, entry: Entry, start: int, end: int) -> None:
+        self.fd = entry._fd
+        self.start = start
+        self.end = end
+        self._entry = entry
+
+    def commit(self, digests: Sequence[bytes] | None = None) -> None:
+        """The bytes of [start, end) are written: record them, with their xxh3-64
+        checksums per chunk in order (None: read back and taken here)."""
+        self._entry._commit_fill(self.start, self.end, digests)
 
 
 class Entry:
@@ -708,44 +739,60 @@ class Entry:
 
     def store(self, offset: int, data: bytes | bytearray | memoryview) -> None:
         """Cache fetched bytes: `offset` chunk-aligned, `data` whole chunks (the last
-        may end at EOF). Checksums go to the index in one transaction; then eviction
-        runs if the cache is over its capacity or under its free-space floor."""
+        may end at EOF), written with O_DIRECT where aligned (cache/directio.py).
+        Checksums go to the index in one transaction; then eviction runs if the
+        cache is over its capacity or under its free-space floor."""
         mv = memoryview(data).cast("B")
         cs = self.chunk_size
-        end = offset + len(mv)
-        if (
-            offset < 0
-            or offset % cs
-            or not mv
-            or end > self.size
-            or (len(mv) % cs and end != self.size)
-        ):
+        digests = [xxhash.xxh3_64_digest(mv[o : o + cs]) for o in range(0, len(mv), cs)]
+        with self.filling(offset, offset + len(mv)) as fill:
+            pwrite_direct(self._direct_fd(), self._fd, mv, offset)
+            fill.commit(digests)
+        self._cache.make_room(self)
+
+    @contextmanager
+    def filling(self, start: int, end: int) -> Iterator[Fill]:
+        """Claim [start, end) of the tier-1 file for fetched bytes someone else writes
+        (`Fill.fd`, at the object's offsets; from any thread) and `Fill.commit`s:
+        `start` chunk-aligned, `end` a chunk boundary or the object's end. Only a
+        clean entry takes them; meanwhile no eviction punches those chunks, no
+        local write starts, and chunks being punched are waited for first. The
+        bytes count only once committed (an uncommitted fill leaves them absent)."""
+        cs = self.chunk_size
+        if start < 0 or start % cs or end <= start or end > self.size or (end % cs and end != self.size):
             raise ValueError(
-                f"store({offset}, {len(mv)} bytes) into {self.key!r} (size {self.size}): "
+                f"fill of [{start}, {end}) of {self.key!r} (size {self.size}): "
                 f"not whole chunks of {cs}"
             )
-        lo, hi = offset // cs, (end - 1) // cs
-        digests = [xxhash.xxh3_64_digest(mv[o : o + cs]) for o in range(0, len(mv), cs)]
-        self._begin_store(lo, hi, "store")
+        lo, hi = start // cs, (end - 1) // cs
+        self._begin_store(lo, hi, "fill")
         try:
-            pwrite_direct(self._direct_fd(), self._fd, mv, offset)
-            with self._io:
-                added = 0
-                if not self._detached:
-                    with self._cache.index.write() as wt:
-                        rec = self._record(wt)
-                        added = sum(map(self._chunk_len, wt.put_chunks(self._fid, lo, digests)))
-                        wt.put(self._kh, rec, replace(rec, cached=rec.cached + added))
-                    self._cache.account(wt.used_delta)
-                with self._mu:
-                    self._cached += added
-                    self._states[lo : hi + 1] = bytes((VERIFIED,)) * (hi - lo + 1)
-                    for i in range(lo, hi + 1):
-                        self._pages.pop(i, None)
-                    self._last = (lo, hi)
+            yield Fill(self, start, end)
         finally:
             self._end_store(lo, hi)
-        self._cache.make_room(self)
+
+    def _commit_fill(self, start: int, end: int, digests: Sequence[bytes] | None) -> None:
+        """(`Fill.commit`) record the chunks of [start, end) as present and verified."""
+        cs = self.chunk_size
+        lo, hi = start // cs, (end - 1) // cs
+        if digests is None:
+            digests = list(file_digests(self._fd, start, end, cs))
+        if len(digests) != hi - lo + 1:
+            raise ValueError(f"{len(digests)} checksums for {hi - lo + 1} chunks of {self.key!r}")
+        with self._io:
+            added = 0
+            if not self._detached:
+                with self._cache.index.write() as wt:
+                    rec = self._record(wt)
+                    added = sum(map(self._chunk_len, wt.put_chunks(self._fid, lo, digests)))
+                    wt.put(self._kh, rec, replace(rec, cached=rec.cached + added))
+                self._cache.account(wt.used_delta)
+            with self._mu:
+                self._cached += added
+                self._states[lo : hi + 1] = bytes((VERIFIED,)) * (hi - lo + 1)
+                for i in range(lo, hi + 1):
+                    self._pages.pop(i, None)
+                self._last = (lo, hi)
 
     def _begin_store(self, lo: int, hi: int, what: str) -> None:
         """Claim chunks lo..hi for fetched bytes: only a clean entry takes them, and
