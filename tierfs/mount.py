@@ -51,10 +51,15 @@ from tierfs.ops import ControlOps, MountInfo
 from tierfs.policy import Policy
 from tierfs.posix import Defaults
 from tierfs.read.bodies import BODIES_MAX, Bodies
+from tierfs.read.fetcher import Fetcher, fetch_unit
 from tierfs.read.handles import ReadPath
+from tierfs.read.landed import LandedParts
+from tierfs.read.prefetch import WholePrefetch
 from tierfs.read.reader import SERVE_BUFFER, Reader
+from tierfs.read.sources import StoreSource
 from tierfs.read.walkahead import WalkAhead
 from tierfs.read.walks import Walks
+from tierfs.read.waste import WasteCaps
 from tierfs.sdnotify import notify
 from tierfs.store.base import Store, StoreError
 from tierfs.workers import Workers, tune_malloc
@@ -121,27 +126,27 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
         ns = Namespace(store, cache, policy, workers, health=health, kept=kept, overlay=journal,
                        on_changed=kernel.drop_pages, on_gone=kernel.drop_name,
                        defaults=defaults)
-        store.on_metadata = _to_loop(ns.learn)
-        reader = Reader(
-            store, workers, nursery, budget=budget, parts=parts, serve=serve_buffers,
-            part_size=cfg.part_size, readahead_min=cfg.readahead_min,
-            cache_capacity=cache.capacity, chunk_size=cache.chunk_size,
-            observe_read=metrics.read_served,
-            # Whole-object model prefetch leaves one GET slot to demand reads
-            # elsewhere. Half the slots (2 of 4) made a cold 1 GiB safetensors
-            # load_file 3.44 s, 3 of 4 3.01 s (medians of 4 alternating runs).
-            prefetch_parallel=max(1, data_slots - 1),
-            landed_bytes=cfg.max_inflight_bytes,
-            whole_object_max=cfg.whole_object_max,
+        fetcher = Fetcher(
+            [StoreSource(store)], workers, nursery, cache=cache, budget=budget, parts=parts,
+            landed=LandedParts(parts, cfg.max_inflight_bytes),
             bodies=Bodies(budget, min(BODIES_MAX, cfg.memory_budget // 8)),
-        )
+            waste=WasteCaps(cache.capacity),
+            unit=fetch_unit(cfg.part_size, cache.capacity, cache.chunk_size),
+            whole_max=cfg.whole_object_max, learned=ns.learn)
+        reader = Reader(fetcher, workers, nursery, serve=serve_buffers,
+                        readahead_min=cfg.readahead_min, observe_read=metrics.read_served)
+        # Whole-object model prefetch leaves one GET slot to demand reads
+        # elsewhere. Half the slots (2 of 4) made a cold 1 GiB safetensors
+        # load_file 3.44 s, 3 of 4 3.01 s (medians of 4 alternating runs).
+        whole_prefetch = WholePrefetch(fetcher, nursery, parallel=max(1, data_slots - 1))
         queued = QueuedWrites(nursery, _apply_write(workers), QUEUED_WRITES, budget)
-        walk_ahead = WalkAhead(reader, cache, workers, health, children=ns.children_of,
+        walk_ahead = WalkAhead(fetcher, health, children=ns.children_of,
                                stored=ns.stored_file, whole_max=cfg.whole_object_max,
                                parallel=max(1, cfg.max_parallel_gets - 1), walks=Walks())
         modes = OpenModes(passthrough.probe(cache_dir, cfg.passthrough), cache, workers,
                           nursery, metrics.file_open)
-        reads = ReadPath(reader, cache, workers, health, prefetch_globs=cfg.prefetch_globs,
+        reads = ReadPath(reader, cache, workers, health, whole_prefetch,
+                         prefetch_globs=cfg.prefetch_globs,
                          prefetch_min_size=cfg.prefetch_min_size,
                          observe_latency=metrics.read_latency, settle=queued.drain_entry,
                          walk_ahead=walk_ahead, kernel_reads=lambda: modes.mode.enabled,
@@ -169,7 +174,7 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
         ctx = WriteContext(
             cache=cache, policy=policy, workers=workers, health=health, journal=journal,
             queued=queued, uploader=uploader, streams=streams, publisher=publisher, read=reads.read,
-            fetch=partial(reader.ensure, whole_parts=True), refresh=ns.refresh,
+            fetch=partial(fetcher.ensure, whole_parts=True), refresh=ns.refresh,
             on_dropped=ns.local_dropped, invalidate=kernel.drop_pages)
         wb = WriteBack(ctx, store, quarantine, barrier)
         ops = TierFS(ns, reads, wb, TreeChanges(ns, wb), metrics, workers, cache.root, modes)
@@ -178,7 +183,7 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
             config_file=str(cfg.config_file) if cfg.config_file else None,
             classes=cfg.classes, rules=cfg.rules, default_class=cfg.default_class,
             metrics_url=p.metrics_url)
-        ctl = ControlOps(info, ns, reader, cache, policy, metrics, workers, health, wb, budget,
+        ctl = ControlOps(info, ns, fetcher, cache, policy, metrics, workers, health, wb, budget,
                          modes.summary, stop)
         metrics.add_live(ctl.live_figures)
 
@@ -239,18 +244,6 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
                 with contextlib.suppress(OSError):
                     entry.unlink()
             nursery.cancel_scope.cancel()
-
-
-def _to_loop(learn: Callable[[str, str, dict[str, str]], None]
-             ) -> Callable[[str, str, dict[str, str]], None]:
-    """`learn`, callable from worker threads: it runs soon in this trio loop."""
-    token = trio.lowlevel.current_trio_token()
-
-    def call(key: str, etag: str, metadata: dict[str, str]) -> None:
-        with contextlib.suppress(trio.RunFinishedError):
-            token.run_sync_soon(learn, key, etag, metadata)
-
-    return call
 
 
 def _apply_write(workers: Workers) -> Callable[[Entry, int, bytes], Awaitable[None]]:

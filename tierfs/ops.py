@@ -28,7 +28,7 @@ from tierfs.health import StoreHealth
 from tierfs.metrics import Metrics
 from tierfs.namespace import ROOT_INODE, Namespace, Node
 from tierfs.policy import Policy
-from tierfs.read.reader import Reader
+from tierfs.read.fetcher import Fetcher
 from tierfs.store.base import StoreError
 from tierfs.workers import Workers
 from tierfs.writeback.core import WriteBack
@@ -88,7 +88,7 @@ class ControlOps:
         self,
         info: MountInfo,
         ns: Namespace,
-        reader: Reader,
+        fetcher: Fetcher,
         cache: Cache,
         policy: Policy,
         metrics: Metrics,
@@ -101,7 +101,7 @@ class ControlOps:
     ) -> None:
         self.info = info
         self.ns = ns
-        self.reader = reader
+        self.fetcher = fetcher
         self.cache = cache
         self.policy = policy
         self.metrics = metrics
@@ -412,7 +412,7 @@ class ControlOps:
                 return
             active[node.inode] = entry
             try:
-                await self.reader.ensure(entry, 0, entry.size, whole_parts=True)
+                await self.fetcher.ensure(entry, 0, entry.size, whole_parts=True)
                 done["files"] += 1
             except (OSError, StoreError) as exc:
                 failed.append({"path": node.path, "error": _reason(exc)})

@@ -24,6 +24,7 @@ from tierfs.cache import Cache, Entry
 from tierfs.config import DEFAULT_CLASSES
 from tierfs.health import StoreHealth
 from tierfs.read.handles import ReadPath
+from tierfs.read.prefetch import WholePrefetch
 from tierfs.read.prepared import TTL_S, PreparedOpens
 from tierfs.store.base import ObjectInfo
 from tierfs.workers import Workers
@@ -60,8 +61,8 @@ def restarted(tmp_path: Path, store: Recorded) -> Iterator[Restarted]:
 
 def read_path(store: Recorded, cache: Cache, n: trio.Nursery, children: dict[str, int],
               infos: dict[int, ObjectInfo]) -> ReadPath:
-    path = ReadPath(make_reader(store, n), cache, Workers(data=1, upload=1, meta=1, disk=2),
-                    StoreHealth(probe_every=5.0), prefetch_globs=(), prefetch_min_size=1 << 30,
+    path = ReadPath(reader := make_reader(store, n), cache, Workers(data=1, upload=1, meta=1, disk=2),
+                    StoreHealth(probe_every=5.0), WholePrefetch(reader.fetcher, n, parallel=1), prefetch_globs=(), prefetch_min_size=1 << 30,
                     observe_latency=lambda s: None, settle=no_settle,
                     walk_ahead=walk_ahead(store, cache, n, children, infos),
                     kernel_reads=lambda: True,

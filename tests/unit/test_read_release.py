@@ -23,6 +23,7 @@ from tests.unit.test_walkahead import directory, walk_ahead
 from tierfs.cache import Cache, Entry
 from tierfs.health import StoreHealth
 from tierfs.read.handles import RELEASE_GATHER_S, ReadPath
+from tierfs.read.prefetch import WholePrefetch
 from tierfs.workers import Workers
 
 
@@ -66,8 +67,8 @@ async def test_closes_of_a_walk_share_one_release(
     cache.release_many = spy  # type: ignore[method-assign]
     async with trio.open_nursery() as n:
         w = walk_ahead(store, cache, n, children, infos)
-        path = ReadPath(make_reader(store, n), cache, Workers(data=1, upload=1, meta=1, disk=1),
-                        StoreHealth(probe_every=5.0), prefetch_globs=(), prefetch_min_size=1 << 30,
+        path = ReadPath(reader := make_reader(store, n), cache, Workers(data=1, upload=1, meta=1, disk=1),
+                        StoreHealth(probe_every=5.0), WholePrefetch(reader.fetcher, n, parallel=1), prefetch_globs=(), prefetch_min_size=1 << 30,
                         observe_latency=lambda s: None, settle=no_settle, walk_ahead=w,
                         kernel_reads=lambda: False,
                         refresh=partial(trio.to_thread.run_sync, store.store.head))

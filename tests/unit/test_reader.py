@@ -15,9 +15,16 @@ import trio
 
 from tierfs.budget import BufferPool, MemoryBudget
 from tierfs.cache import Cache, Entry
+from tierfs.read.bodies import Bodies
+from tierfs.read.fetcher import Fetcher, fetch_unit
+from tierfs.read.landed import LandedParts
+from tierfs.read.prefetch import WholePrefetch
 from tierfs.read.reader import SERVE_BUFFER, Reader
+from tierfs.read.sources import StoreSource
 from tierfs.read.streams import SMALL_READ, STREAM_SLACK, ReadState
+from tierfs.read.waste import WasteCaps
 from tierfs.store import LocalStore
+from tierfs.store.base import Received
 from tierfs.workers import Workers
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -98,11 +105,11 @@ class Recorded:
         (self.root / key).write_bytes(data)
         return self.store.head(key).etag
 
-    def get_range_into(self, key: str, start: int, length: int, buf: memoryview, etag: str | None = None) -> int:
-        n = self.store.get_range_into(key, start, length, buf, etag)
+    def get_range_into(self, key: str, start: int, length: int, buf: memoryview, etag: str | None = None) -> Received:
+        got = self.store.get_range_into(key, start, length, buf, etag)
         with self._mu:
-            self.gets.append((start, n))
-        return n
+            self.gets.append((start, got.length))
+        return got
 
 
 @pytest.fixture
@@ -124,14 +131,22 @@ async def until_empty(pending: set | dict, limit: float = 10.0) -> None:
             await trio.sleep(0.005)
 
 
-def make_reader(store: Recorded, nursery: trio.Nursery, **kw: int) -> Reader:
+def make_reader(store: Recorded, nursery: trio.Nursery, cache: Cache | None = None, **kw: int) -> Reader:
+    """A Reader with its Fetcher (the store as its one source), as mount.py builds them;
+    `cache` only for whole objects fetched ahead (test_walkahead.py)."""
     kw = {"part_size": PART, "cache_capacity": 1 << 30, "landed_bytes": 64 << 20,
           "whole_object_max": CS, **kw}
     budget = MemoryBudget(256 << 20)
-    return Reader(store, Workers(data=4, upload=1, meta=1, disk=4), nursery,  # type: ignore[arg-type]
-                  budget=budget, parts=BufferPool(budget, kw["part_size"], keep=8),
-                  serve=BufferPool(budget, SERVE_BUFFER, keep=8), readahead_min=CS,
-                  chunk_size=CS, observe_read=lambda tier, n: None, prefetch_parallel=4, **kw)
+    parts = BufferPool(budget, kw["part_size"], keep=8)
+    fetcher = Fetcher(
+        [StoreSource(store)], Workers(data=4, upload=1, meta=1, disk=4), nursery,  # type: ignore[arg-type]
+        cache=cache,  # type: ignore[arg-type]
+        budget=budget, parts=parts, landed=LandedParts(parts, kw["landed_bytes"]),
+        bodies=Bodies(budget, 0), waste=WasteCaps(kw["cache_capacity"]),
+        unit=fetch_unit(kw["part_size"], kw["cache_capacity"], CS),
+        whole_max=kw["whole_object_max"], learned=lambda key, etag, meta: None)
+    return Reader(fetcher, fetcher.workers, nursery, serve=BufferPool(budget, SERVE_BUFFER, keep=8),
+                  readahead_min=CS, observe_read=lambda tier, n: None)
 
 
 async def test_claim_splits_into_parts_and_shares_flights(cache: Cache, store: Recorded) -> None:
@@ -139,12 +154,12 @@ async def test_claim_splits_into_parts_and_shares_flights(cache: Cache, store: R
     e = open_object(cache, store, data)
     async with trio.open_nursery() as n:
         r = make_reader(store, n)
-        first = r._claim(e, 0, len(data))
+        first = r.fetcher.claim(e, 0, len(data))
         assert [(a, b, owner) for a, b, _, owner in first] == [
             (0, PART, True), (PART, 2 * PART, True), (2 * PART, 3 * PART, True),
             (3 * PART, len(data), True),
         ]
-        again = r._claim(e, PART - CS, PART + CS)  # overlaps two owned flights
+        again = r.fetcher.claim(e, PART - CS, PART + CS)  # overlaps two owned flights
         assert [owner for *_, owner in again] == [False, False]
         assert again[0][2] is first[0][2] and again[1][2] is first[1][2]
         n.cancel_scope.cancel()
@@ -190,7 +205,7 @@ async def test_small_random_read_fetches_only_its_pages(cache: Cache, store: Rec
             assert await r.read(e, ReadState(), off, 4096, 64 * MiB) == data[off : off + 4096]
         assert len(store.gets) == before
         # A whole-chunk fetch later supersedes the pages and reads stay right.
-        await r.ensure(e, 0, len(data), whole_parts=True)
+        await r.fetcher.ensure(e, 0, len(data), whole_parts=True)
         assert e.read(0, len(data)) == data
         n.cancel_scope.cancel()
     cache.release(e)
@@ -244,7 +259,7 @@ async def test_readahead_never_refetches_present_chunks(cache: Cache, store: Rec
     e.store(CS, data[CS : 3 * CS])  # chunks 1-2 of the first part already cached
     async with trio.open_nursery() as n:
         r = make_reader(store, n)
-        await r.ensure(e, 0, len(data), whole_parts=True)
+        await r.fetcher.ensure(e, 0, len(data), whole_parts=True)
         n.cancel_scope.cancel()
     assert e.read(0, len(data)) == data
     assert store.bytes_fetched == len(data) - 2 * CS
@@ -261,13 +276,14 @@ async def test_prefetch_object_fills_tier1_and_releases(cache: Cache, store: Rec
 
     async with trio.open_nursery() as n:
         r = make_reader(store, n)
-        r.prefetch_object(e, done)
-        assert r.prefetching(e)
+        whole = WholePrefetch(r.fetcher, n, parallel=4)
+        whole.start(e, done)
+        assert whole.running(e)
         # a read elsewhere is answered while the prefetch runs
         assert await r.read(e, ReadState(), 9 * PART, 100, MiB) == data[9 * PART : 9 * PART + 100]
         with trio.fail_after(10):
             await released.wait()
-        assert not r.prefetching(e)
+        assert not whole.running(e)
         n.cancel_scope.cancel()
     assert e.missing(0, len(data)) == []
     assert store.bytes_fetched <= len(data) + 4096
@@ -332,7 +348,7 @@ async def test_a_herd_reading_in_turns_fetches_whole_parts(cache: Cache, store: 
             got = await r.read(e, handles[i % 4], off, step, 4 * PART)
             assert bytes(got) == data[off : off + step]
         assert all(start % PART == 0 and length == PART for start, length in store.gets), store.gets
-        await until_empty(r._flights)
+        await until_empty(r.fetcher.chunks)
         # The relay's window grew as one reader's would: readahead is a full window ahead.
         assert not e.missing(16 * PART, 20 * PART)
         # Random 4 KiB reads that land near the front by chance (another handle,
@@ -341,7 +357,7 @@ async def test_a_herd_reading_in_turns_fetches_whole_parts(cache: Cache, store: 
         front = max(range(0, 16 * PART, step)) + step
         for off in (front - 3 * PART + 8 * KiB, front - 5 * CS, front + PART + 4 * KiB):
             assert await r.read(e, ReadState(), off, 4 * KiB, 4 * PART) == data[off : off + 4 * KiB]
-            assert not r._flights  # readahead would have claimed its chunks by now
+            assert not r.fetcher.chunks  # readahead would have claimed its chunks by now
         assert len(store.gets) == gets and e.missing(21 * PART, 22 * PART), store.gets[gets:]
         # Far from the front: a random read, its pages only.
         far = 28 * PART + 8 * KiB
@@ -390,8 +406,9 @@ async def test_chunks_evicted_unread_turn_readahead_off_then_reads_go_through_me
             half = len(data) // 2
             for off in range(0, len(data), 2 * CS):
                 if off == half:
-                    use = r._uses[e]
-                    assert r.wasted_bytes > 0 and use.cap <= r.ahead_max // 4  # noticed; cut
+                    use = r.waste.use(e)
+                    assert use is not None
+                    assert r.waste.wasted_bytes > 0 and use.cap <= r.waste.ahead_max // 4  # noticed; cut
                     before = store.bytes_fetched
                 assert bytes(await r.read(e, st, off, 2 * CS, len(data))) == data[off : off + 2 * CS]
             n.cancel_scope.cancel()
@@ -408,8 +425,8 @@ async def test_readahead_for_a_closed_object_is_not_fetched(cache: Cache, store:
     e = open_object(cache, store, data)
     async with trio.open_nursery() as n:
         r = make_reader(store, n)
-        r.prefetch(e, 0, len(data))  # 32 parts queued behind 4 data threads
+        r.fetcher.prefetch(e, 0, len(data))  # 32 parts queued behind 4 data threads
         cache.release(e)  # the last reader is gone before most of them start
-        await until_empty(r._flights)
+        await until_empty(r.fetcher.chunks)
         n.cancel_scope.cancel()
     assert store.bytes_fetched <= 8 * PART, store.bytes_fetched // PART

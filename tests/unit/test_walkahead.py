@@ -21,7 +21,6 @@ from tierfs.health import StoreHealth
 from tierfs.read.walkahead import WalkAhead
 from tierfs.read.walks import Walks
 from tierfs.store.base import ObjectInfo
-from tierfs.workers import Workers
 
 N = 40
 
@@ -48,8 +47,7 @@ def directory(store: Recorded, sizes: list[int]) -> tuple[dict[str, int], dict[i
 
 def walk_ahead(store: Recorded, cache: Cache, n: trio.Nursery, children: dict[str, int],
                infos: dict[int, ObjectInfo], health: StoreHealth | None = None) -> WalkAhead:
-    w = WalkAhead(make_reader(store, n), cache, Workers(data=4, upload=1, meta=1, disk=4),
-                  health or StoreHealth(probe_every=5.0),
+    w = WalkAhead(make_reader(store, n, cache).fetcher, health or StoreHealth(probe_every=5.0),
                   children=lambda path: children if path == "d" else None,
                   stored=infos.get, whole_max=CS, parallel=4, walks=Walks(4, 16))
     n.start_soon(w.run)

@@ -23,6 +23,7 @@ from tierfs.cache import Cache, ChunkCorrupt, Entry
 from tierfs.config import ClassSettings
 from tierfs.globs import glob_to_regex
 from tierfs.health import StoreHealth
+from tierfs.read.prefetch import WholePrefetch
 from tierfs.read.prepared import PreparedOpens
 from tierfs.read.reader import Reader
 from tierfs.read.streams import ReadState
@@ -48,6 +49,7 @@ class ReadPath:
         cache: Cache,
         workers: Workers,
         health: StoreHealth,
+        prefetch: WholePrefetch,
         *,
         prefetch_globs: tuple[str, ...],
         prefetch_min_size: int,
@@ -58,6 +60,7 @@ class ReadPath:
         refresh: Callable[[str], Awaitable[ObjectInfo]],
     ) -> None:
         self.reader = reader
+        self.whole_prefetch = prefetch
         self.walk_ahead = walk_ahead
         self.settle = settle
         self.refresh = refresh  # the store's current version of a key (Namespace.refresh)
@@ -104,7 +107,7 @@ class ReadPath:
             if body is not None:
                 self.reader.bodies.offer(key, entry.etag, body)
         try:
-            if self._wants_prefetch(key, size) and not self.reader.prefetching(entry):
+            if self._wants_prefetch(key, size) and not self.whole_prefetch.running(entry):
                 await self._prefetch_object(key, etag, size, mtime, entry)
         except BaseException:
             await self.workers.disk(self.cache.release, entry)
@@ -241,7 +244,7 @@ class ReadPath:
         async def done() -> None:
             await self.workers.disk(self.cache.release, held)
 
-        self.reader.prefetch_object(held, done)
+        self.whole_prefetch.start(held, done)
 
 
 class ReadHandle:

@@ -8,8 +8,9 @@ positions of the directory's listing (sorted names, as `ls` and the store list
 them); this module turns what it asks for into whole-object fetches into tier
 1, so the reader's next opens find their objects there (and their bytes in
 memory: bodies.py) or already in flight (the open waits for that fetch:
-`reading`). A fetch ahead is one worker hop: GET and `Cache.put_whole`; what
-it fetched is then opened ahead (`on_fetched`, prepared.py), a batch per hop.
+`reading`). A fetch ahead is the fetcher's `fetch_whole` (one worker hop: GET
+and the new tier-1 file, one index transaction); what it fetched is then
+opened ahead (`on_fetched`, prepared.py), a batch per hop.
 
 Bounds: at most `parallel` fetches at a time (one GET slot is left to demand
 reads), each taking its object's bytes from the memory budget while in
@@ -28,20 +29,14 @@ from collections.abc import Callable, Mapping
 
 import trio
 
-from tierfs.cache import Cache
 from tierfs.health import StoreHealth
-from tierfs.read.reader import Reader
+from tierfs.read.fetcher import Fetcher
 from tierfs.read.walks import DIRS, Walks
 from tierfs.store.base import ObjectInfo, StoreError
-from tierfs.workers import Workers
 
 log = logging.getLogger(__name__)
 
 QUEUED = 1024  # objects waiting to be fetched ahead, all walks together
-
-
-class _Had(Exception):
-    """Tier 1 holds the object already: nothing fetched."""
 
 
 class _Order:
@@ -56,9 +51,7 @@ class _Order:
 class WalkAhead:
     def __init__(
         self,
-        reader: Reader,
-        cache: Cache,
-        workers: Workers,
+        fetcher: Fetcher,
         health: StoreHealth,
         *,
         children: Callable[[str], Mapping[str, int] | None],
@@ -67,9 +60,7 @@ class WalkAhead:
         parallel: int,
         walks: Walks,
     ) -> None:
-        self.reader = reader
-        self.cache = cache
-        self.workers = workers
+        self.fetcher = fetcher
         self.health = health
         self._children = children  # a directory's path -> its entries (name -> inode)
         self._stored = stored  # inode -> the file's store attributes, if it is a stored file
@@ -80,7 +71,6 @@ class WalkAhead:
         self._send, self._queue = trio.open_memory_channel[ObjectInfo](QUEUED)
         self._wanted: set[str] = set()  # keys queued or being fetched
         self._ahead: OrderedDict[str, bool] = OrderedDict()  # fetched ahead, not opened since
-        self._flying: dict[str, trio.Event] = {}  # keys being fetched ahead now
         self._reading: Counter[str] = Counter()  # keys open by readers (handles.py)
         self.fetched = 0  # objects fetched ahead (status, tests)
         # Objects just fetched ahead, to be opened ahead too (ReadPath wires it to
@@ -145,9 +135,9 @@ class WalkAhead:
         tier 1 lacks). Both sides decide on the trio loop, so a GET never runs
         twice beside itself."""
         self._reading[key] += 1
-        done = self._flying.get(key)
-        if done is not None:
-            await done.wait()
+        flight = self.fetcher.objects.get(key)
+        if flight is not None:
+            await flight.done.wait()
 
     def done_reading(self, key: str) -> None:
         self._reading[key] -= 1
@@ -159,45 +149,22 @@ class WalkAhead:
             if info.key in self._reading:
                 self._wanted.discard(info.key)
                 continue
-            done = self._flying[info.key] = trio.Event()
             try:
                 if not self.health.degraded:
                     await self._fetch(info)
             except (OSError, StoreError) as exc:  # the reader's own read reports it
                 log.debug("fetch ahead of %r: %s", info.key, exc)
             finally:
-                del self._flying[info.key]
-                done.set()
                 self._wanted.discard(info.key)
 
     async def _fetch(self, info: ObjectInfo) -> None:
-        await self.reader.budget.take(info.size)
-        try:
-            body = await self.workers.small(self._fetch_whole, info)
-        except _Had:
-            return
-        finally:
-            self.reader.budget.give(info.size)
-        self.reader.bodies.offer(info.key, info.etag, body)  # its reader's read: no hop
+        fetched, body = await self.fetcher.fetch_whole(info)
+        if not fetched:
+            return  # tier 1 had it
+        if body is not None:
+            self.fetcher.bodies.offer(info.key, info.etag, body)  # its reader's read: no hop
         self.fetched += 1
         self._ahead[info.key] = True
         self.on_fetched([info])
         if len(self._ahead) > 2 * QUEUED:
             self._ahead.popitem(last=False)
-
-    def _fetch_whole(self, info: ObjectInfo) -> memoryview:
-        """(In a worker: the whole fetch is one hop) the object's bytes, kept in tier 1
-        unless it has them (or a local version, or the key is open: its holder
-        fetches what it lacks). One hop and one index transaction: a fetch ahead
-        of a walk through 10,000 small objects took three hops (an open, the
-        reader's fetch, a release) and three transactions, together more of the
-        daemon's CPU than the GET (issue 21)."""
-        known = self.cache.lookup(info.key)
-        if known is not None and known.etag == info.etag and known.cached_bytes == info.size:
-            raise _Had(info.key)
-        buf = memoryview(bytearray(info.size))
-        n = self.reader.store.get_range_into(info.key, 0, info.size, buf, info.etag)
-        if n != info.size:
-            raise StoreError(f"short read of {info.key!r}: {n} of {info.size} bytes")
-        self.cache.put_whole(info.key, info.etag, info.mtime, buf)
-        return buf

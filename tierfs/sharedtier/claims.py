@@ -211,7 +211,7 @@ class BlockFlight:
 
     def _get_verified(self, ref: BlockRef, name: str, info: ObjectInfo, buf: memoryview) -> bool:
         view = buf[: ref.length]
-        n = self.store.get_range_into(name, 0, ref.length, view, info.etag)
+        n = self.store.get_range_into(name, 0, ref.length, view, info.etag).length
         return n == ref.length and self.blocks.verifies(ref, view, info.metadata)
 
     async def _fetch(

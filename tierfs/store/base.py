@@ -24,6 +24,18 @@ class ObjectInfo:
 
 
 @dataclass(frozen=True)
+class Received:
+    """What a ranged GET put into the caller's buffer (`length` bytes) and what its
+    response said of the object: its ETag, and its user metadata where the adapter
+    sees it (S3: every response; file://: a read from offset 0), else None. The
+    read path passes both up as return values (no callback fires in the GET)."""
+
+    length: int
+    etag: str
+    metadata: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
 class Listing:
     """Direct children of one prefix: objects and sub-prefixes (names, no slash)."""
 
@@ -90,8 +102,6 @@ class Store(Protocol):
     # Multipart uploads a later daemon can find and abort by id, and object tags:
     # what sending parts while a file is written needs (writeback/streaming.py).
     streams_parts: bool
-    # (key, ETag, user metadata) of a GET's response, where the adapter sees it.
-    on_metadata: Callable[[str, str, dict[str, str]], None] | None
 
     def check(self) -> None:
         """Verify the source exists and the credentials work; raise StoreError with a one-line reason."""
@@ -110,8 +120,9 @@ class Store(Protocol):
 
     def get_range_into(
         self, key: str, start: int, length: int, buf: memoryview, etag: str | None = None
-    ) -> int:
-        """As get_range, but into buf[:length] without an extra copy; the number of bytes read."""
+    ) -> Received:
+        """As get_range, but into buf[:length] without an extra copy; the bytes read
+        and what the response said of the object."""
 
     def put_file(
         self,

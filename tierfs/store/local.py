@@ -27,9 +27,17 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import replace
 
 from tierfs.config import MAX_KEY_BYTES
-from tierfs.store.base import Listing, ObjectInfo, RequestObserver, StoreError, key_too_long
+from tierfs.store.base import (
+    Listing,
+    ObjectInfo,
+    Received,
+    RequestObserver,
+    StoreError,
+    key_too_long,
+)
 from tierfs.store.localparts import NO_XATTR, LocalUploads, get_tags, set_tags
 
 log = logging.getLogger("tierfs.store")
@@ -119,9 +127,6 @@ class LocalStore:
     # Its multipart uploads live in this process only: a restart cannot abort
     # them by id, so files go up after their seal only.
     streams_parts = False
-    # Told (key, ETag, user metadata) by each read from offset 0 (S3Store's
-    # GET-response hook; here the metadata is the file's xattrs).
-    on_metadata: Callable[[str, str, dict[str, str]], None] | None = None
 
     def __init__(
         self, root: str, *, observer: RequestObserver | None = None,
@@ -359,14 +364,14 @@ class LocalStore:
             held.append(bytearray(size))
             return memoryview(held[0])
 
-        n = self._read(key, start, length, etag, alloc)
+        n = self._read(key, start, length, etag, alloc).length
         if not held:
             return b""
         return bytes(held[0]) if n == len(held[0]) else bytes(memoryview(held[0])[:n])
 
     def get_range_into(
         self, key: str, start: int, length: int, buf: memoryview, etag: str | None = None
-    ) -> int:
+    ) -> Received:
         if len(buf) < length:
             raise _invalid(f"buffer of {len(buf)} bytes for a {length}-byte range")
         return self._read(key, start, length, etag, lambda _size: buf)
@@ -378,8 +383,9 @@ class LocalStore:
         length: int,
         etag: str | None,
         alloc: Callable[[int], memoryview],
-    ) -> int:
-        """pread [start, start+length) clipped at EOF into alloc(clipped length)."""
+    ) -> Received:
+        """pread [start, start+length) clipped at EOF into alloc(clipped length); the
+        file's xattrs are its user metadata (read from offset 0 only)."""
         if start < 0 or length < 0:
             raise _invalid(f"bad range start={start} length={length}")
         with self._op("get", key) as nbytes:
@@ -392,13 +398,10 @@ class LocalStore:
                     raise StoreError(
                         f"get '{key}': object changed", errno_=errno.ESTALE, kind="changed"
                     )
-                if start == 0 and self.on_metadata is not None:
-                    meta = _read_meta(fd)
-                    if meta:
-                        self.on_metadata(key, etag_of(st), meta)
+                seen = Received(0, etag_of(st), (_read_meta(fd) or None) if start == 0 else None)
                 want = 0 if stat.S_ISDIR(st.st_mode) else min(length, max(0, st.st_size - start))
                 if want == 0:
-                    return 0
+                    return seen
                 buf = alloc(want)
                 got = 0
                 while got < want:
@@ -407,7 +410,7 @@ class LocalStore:
                         break
                     got += n
                 nbytes[0] = got
-                return got
+                return replace(seen, length=got)
             finally:
                 os.close(fd)
 

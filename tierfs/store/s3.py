@@ -48,6 +48,7 @@ from tierfs.store import s3client, s3writes
 from tierfs.store.base import (
     Listing,
     ObjectInfo,
+    Received,
     RequestObserver,
     StoreError,
     key_too_long,
@@ -108,11 +109,6 @@ class S3Store:
     # Server-side copy switches to UploadPartCopy above this size (S3's CopyObject limit).
     multipart_copy_threshold: int = 5 << 30
     copy_part_size: int = 512 << 20
-    # Told (key, ETag, user metadata) of each GET's first response: the read path's
-    # GETs teach the namespace attributes a listing does not carry. Called in the
-    # thread receiving the answer (a runtime thread for the crt engine): must be
-    # cheap and thread-safe.
-    on_metadata: Callable[[str, str, dict[str, str]], None] | None = None
 
     def __init__(
         self,
@@ -319,14 +315,14 @@ class S3Store:
             held.append(bytearray(size))
             return memoryview(held[0])
 
-        n = self._get(key, start, length, etag, alloc)
+        n = self._get(key, start, length, etag, alloc).length
         if not held:
             return b""
         return bytes(held[0]) if n == len(held[0]) else bytes(memoryview(held[0])[:n])
 
     def get_range_into(
         self, key: str, start: int, length: int, buf: memoryview, etag: str | None = None
-    ) -> int:
+    ) -> Received:
         if len(buf) < length:
             raise StoreError(
                 f"buffer of {len(buf)} bytes for a {length}-byte range",
@@ -338,9 +334,9 @@ class S3Store:
     def _get(
         self, key: str, start: int, length: int, etag: str | None,
         alloc: Callable[[int], memoryview],
-    ) -> int:
+    ) -> Received:
         """Read [start, start+length) clipped at EOF into alloc(clipped length); the
-        byte count. Through the runtime (or botocore); a retry resumes after the
+        byte count, the ETag and the first answer's user metadata. Through the runtime (or botocore); a retry resumes after the
         bytes already received, pinned with If-Match to the first answer's ETag."""
         if start < 0 or length < 0:
             raise StoreError(
@@ -348,15 +344,15 @@ class S3Store:
             )
         full = self._full(key)
         if length == 0:
-            return 0
-        read = RangedGet(key, full, start, length, etag, alloc, self.on_metadata)
+            return Received(0, etag or "")
+        read = RangedGet(key, full, start, length, etag, alloc)
         engine = self.engine
         if engine is not None:
             attempt = partial(read.via_crt, engine)
         else:
             attempt = partial(read.via_botocore, self._client, self.bucket)
         done: int = self._call("get", key, attempt, precondition_kind="changed")
-        return done
+        return Received(done, read.pinned or "", read.metadata)
 
     def put_bytes(
         self,

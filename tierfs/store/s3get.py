@@ -26,7 +26,6 @@ from tierfs.store.s3errors import ShortBody
 READ_SLICE = 1 << 20  # largest readinto() per call on a botocore response body
 META_PREFIX = "x-amz-meta-"
 
-OnMetadata = Callable[[str, str, dict[str, str]], None]
 
 
 def strip_etag(etag: str) -> str:
@@ -47,7 +46,7 @@ class RangedGet:
 
     def __init__(
         self, key: str, full: str, start: int, length: int, etag: str | None,
-        alloc: Callable[[int], memoryview], on_metadata: OnMetadata | None,
+        alloc: Callable[[int], memoryview],
     ) -> None:
         self.key = key
         self.full = full
@@ -57,7 +56,7 @@ class RangedGet:
         self.done = 0
         self.pinned = etag
         self.alloc = alloc
-        self.on_metadata = on_metadata
+        self.metadata: dict[str, str] | None = None  # the first answer's user metadata
         self.target: memoryview | None = None
 
     def _answer(
@@ -80,10 +79,8 @@ class RangedGet:
             raise StoreError("GET answer without an ETag", errno_=errno.EIO, kind="io")
         if self.pinned is None:
             self.pinned = strip_etag(etag)
-        if not self.done and self.on_metadata is not None:
-            meta = metadata()
-            if meta:
-                self.on_metadata(self.key, strip_etag(etag), meta)
+        if not self.done:
+            self.metadata = metadata() or None
         if self.target is None:
             self.target = self.alloc(self.done + size)
         return size
