@@ -84,7 +84,9 @@ def by_status(
     reason = f"HTTP {status} {code}".rstrip()
     if status == 503 or status == 429 or code in THROTTLE_CODES:
         return Failure("throttled", errno.EIO, reason, True)
-    if status >= 500 or code in TRANSIENT_CODES:
+    # 501 Not Implemented is the server's lasting answer (a store without
+    # conditional writes answers If-None-Match so): not retried.
+    if (status >= 500 and status != 501) or code in TRANSIENT_CODES:
         return Failure("io", errno.EIO, reason, True)
     if code == "NoSuchBucket":
         return Failure("no_bucket", errno.ENOENT, f"bucket '{bucket}' does not exist", False)
