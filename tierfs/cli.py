@@ -102,6 +102,8 @@ def build_mount_config(args: argparse.Namespace) -> MountConfig:
         cache_dir=Path(os.path.abspath(args.cache_dir)) if args.cache_dir else None,
         cache_size=parse_size(args.cache_size) if args.cache_size else None,
         endpoint_url=args.endpoint_url,
+        shared_cache=args.shared_cache,
+        shared_endpoint_url=args.shared_endpoint_url,
         foreground=args.foreground,
         allow_other=args.allow_other or None,
         uid=args.uid, gid=args.gid, file_mode=args.file_mode, dir_mode=args.dir_mode,
@@ -204,6 +206,10 @@ def spawn_daemon(args: argparse.Namespace, cfg: MountConfig) -> int:
         argv += ["--cache-size", args.cache_size]
     if args.endpoint_url:
         argv += ["--endpoint-url", args.endpoint_url]
+    for flag, text in (("--shared-cache", args.shared_cache),
+                       ("--shared-endpoint-url", args.shared_endpoint_url)):
+        if text:
+            argv += [flag, text]
     if args.allow_other:
         argv.append("--allow-other")
     for flag, value in (("--uid", args.uid), ("--gid", args.gid)):
@@ -504,6 +510,12 @@ def parser() -> argparse.ArgumentParser:
                    help="tier-1 limit, e.g. 50G (default: 80%% of the cache filesystem's free "
                         "space, less what [cache] min_free keeps free)")
     m.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS)")
+    m.add_argument("--shared-cache", metavar="s3://BUCKET[/PREFIX]",
+                   help="a bucket near the nodes that tier-1 misses ask before the origin, "
+                        "shared by every node's mount: a herd of nodes costs the origin one "
+                        "copy (default: off; more in [shared] of the config)")
+    m.add_argument("--shared-endpoint-url", metavar="URL",
+                   help="the shared cache's S3 endpoint (default: the standard chain's)")
     m.add_argument("--foreground", "-f", action="store_true", help="stay attached; unmount on SIGINT/SIGTERM")
     m.add_argument("--allow-other", action="store_true", help="let other users access the mount")
     m.add_argument("--uid", type=_id, help="owner of objects whose POSIX attributes are "

@@ -149,6 +149,12 @@ TEMP_GRACE = 30.0
 # Tier 1.
 CHUNK_SIZE = 1 * MiB
 
+# The shared tier (sharedtier/): blocks of one part each (a 1 GiB model is 64
+# blocks), and how long a node waits for another node's claim on a block
+# before fetching it itself (well above one block's fetch over a slow link).
+SHARED_BLOCK = PART_SIZE
+SHARED_LEASE = 30.0
+
 # Uploads. A failed upload is retried with backoff up to this many seconds apart
 # (sooner once the store answers again); one that lands but does not verify is
 # retried this many times, then quarantined.
@@ -347,6 +353,21 @@ class MountConfig:
     # tier 1 like any object (images, clips, JSON of a small-files dataset).
     whole_object_max: int = 1 * MiB
 
+    # shared tier: an S3-compatible bucket near the nodes, asked between tier 1
+    # and the origin (off when None). Credentials: the standard chain, unless a
+    # profile or keys of its own are named (never logged: not in the repr).
+    shared_cache: str | None = None  # s3://BUCKET[/PREFIX]
+    shared_endpoint_url: str | None = None
+    shared_profile: str | None = None
+    shared_access_key_id: str | None = field(default=None, repr=False)
+    shared_secret_access_key: str | None = field(default=None, repr=False)
+    shared_session_token: str | None = field(default=None, repr=False)
+    # A secret the nodes share: blocks are authenticated (HMAC-SHA-256), so a
+    # party that can write the bucket but lacks it cannot have blocks served.
+    shared_secret_file: Path | None = None
+    shared_block_size: int = SHARED_BLOCK
+    shared_lease: float = SHARED_LEASE
+
     rules: tuple[tuple[str, str], ...] = DEFAULT_RULES
     classes: dict[str, ClassSettings] = field(default_factory=lambda: dict(DEFAULT_CLASSES))
     default_class: str = "default"
@@ -508,6 +529,16 @@ def check_endpoint(url: str) -> str:
     return url.strip()
 
 
+def check_shared_cache(url: str) -> str:
+    if not re.match(r"^s3://[^/]{3,}", url):
+        raise ConfigError(f"shared cache must be s3://BUCKET[/PREFIX], got {url!r}")
+    return url
+
+
+def _want_shared_cache(v: Any) -> str:
+    return check_shared_cache(_want_str(v))
+
+
 def _want_endpoint(v: Any) -> str:
     return check_endpoint(_want_str(v))
 
@@ -572,6 +603,15 @@ _KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("read", "prefetch_globs"): ("prefetch_globs", _want_globs),
     ("read", "prefetch_min_size"): ("prefetch_min_size", _want_size),
     ("read", "whole_object_max"): ("whole_object_max", _want_size),
+    ("shared", "cache"): ("shared_cache", _want_shared_cache),
+    ("shared", "endpoint_url"): ("shared_endpoint_url", _want_endpoint),
+    ("shared", "profile"): ("shared_profile", _want_str),
+    ("shared", "access_key_id"): ("shared_access_key_id", _want_str),
+    ("shared", "secret_access_key"): ("shared_secret_access_key", _want_str),
+    ("shared", "session_token"): ("shared_session_token", _want_str),
+    ("shared", "secret_file"): ("shared_secret_file", _want_abs_path),
+    ("shared", "block_size"): ("shared_block_size", _want_pos_size),
+    ("shared", "lease"): ("shared_lease", _want_finite_seconds),
     ("metrics", "addr"): ("metrics_addr", _want_str),
     ("metrics", "allow_remote"): ("metrics_allow_remote", _want_bool),
     ("logging", "level"): ("log_level", _want_level),
@@ -791,6 +831,23 @@ def _interpret(doc: dict[str, Any], text: str, path: Path) -> dict[str, Any]:
     return values
 
 
+def _check_shared(cfg: MountConfig) -> None:
+    """The [shared] settings hang together (checked once flags are merged in)."""
+    if cfg.shared_cache is None:
+        return
+    check_shared_cache(cfg.shared_cache)
+    if cfg.shared_endpoint_url is not None:
+        check_endpoint(cfg.shared_endpoint_url)
+    keys = (cfg.shared_access_key_id, cfg.shared_secret_access_key)
+    if (keys[0] is None) != (keys[1] is None):
+        raise ConfigError("[shared] needs both access_key_id and secret_access_key, or neither")
+    if cfg.shared_profile is not None and keys[0] is not None:
+        raise ConfigError("[shared] names a profile and keys: use one or the other")
+    if cfg.shared_block_size % cfg.chunk_size:
+        raise ConfigError(f"[shared] block_size {human_size(cfg.shared_block_size)} must be a "
+                          f"multiple of the tier-1 chunk ({human_size(cfg.chunk_size)})")
+
+
 def build_config(
     file: FileSettings | None, source: str | None, mountpoint: str | Path | None, **flags: Any
 ) -> MountConfig:
@@ -818,6 +875,7 @@ def build_config(
                           f"{human_size(MIN_CACHE_SIZE)}")
     if cfg.metrics_addr is not None:
         parse_listen_addr(cfg.metrics_addr, cfg.metrics_allow_remote)
+    _check_shared(cfg)
     for name in ("file_mode", "dir_mode"):
         if not 0 <= getattr(cfg, name) <= 0o7777:
             raise ConfigError(f"{name} {getattr(cfg, name):o} is not a permission mode (0-7777)")

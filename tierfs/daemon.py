@@ -31,6 +31,7 @@ from tierfs.fuse.fusermount import MountpointError, check_mountpoint
 from tierfs.health import StoreHealth
 from tierfs.metrics import Metrics
 from tierfs.mount import MountError, Prepared, serve
+from tierfs.sharedtier import SharedStore, open_shared
 from tierfs.store import open_store
 from tierfs.store.base import UNREACHABLE_KINDS, Store, StoreError
 
@@ -50,12 +51,18 @@ class Daemon:
         self.metrics_url: str | None = None
         self._metrics_http: Any = None
         self.unsafe_manifests = False
+        self.shared: SharedStore | None = None
 
     def _observe_store(self, op: str, outcome: str, seconds: float, nbytes: int) -> None:
         """Every store request (worker threads): metrics, and degraded mode when any
         operation (an upload or a read, not only a listing) found the store down."""
         self.metrics.store_request(op, outcome, seconds, nbytes)
         self.health.observe(op, outcome)
+
+    def _observe_shared(self, op: str, outcome: str, seconds: float, nbytes: int) -> None:
+        """Shared-tier requests: counted apart (shared_get, ...), never degraded mode
+        (the origin serves while the shared tier is away)."""
+        self.metrics.store_request(f"shared_{op}", outcome, seconds, nbytes)
 
     def prepare(self) -> None:
         """Every check that needs no mount; raises MountError with the reason."""
@@ -124,6 +131,16 @@ class Daemon:
                 raise MountError(str(exc)) from None
         else:
             self._check_conditional_writes()
+        if cfg.shared_cache is not None:
+            try:
+                self.shared = open_shared(
+                    cfg, self._observe_shared,
+                    max_connections=2 * cfg.max_parallel_gets + cfg.max_parallel_puts
+                    + cfg.meta_threads)
+            except (ConfigError, StoreError) as exc:
+                self.cache.close()
+                raise MountError(str(exc)) from None
+            self.warnings.extend(self.shared.warnings)
 
     def _check_conditional_writes(self) -> None:
         """Manifests rely on If-Match / If-None-Match: * being enforced; probe once."""
@@ -183,7 +200,8 @@ class Daemon:
         try:
             self.start_metrics()
             prepared = Prepared(cfg, self.store, self.cache, self.metrics, self.health,
-                                self.warnings, not self.unsafe_manifests, self.metrics_url)
+                                self.warnings, not self.unsafe_manifests, self.metrics_url,
+                                self.shared)
             _collect_garbage_less_often()
             trio.run(serve, prepared, on_ready)
         finally:

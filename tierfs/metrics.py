@@ -33,6 +33,21 @@ LIVE_METRICS: dict[str, tuple[str, str]] = {
     "tierfs_pending_upload_bytes": ("gauge", "Bytes written but not yet uploaded to the store"),
     "tierfs_pending_upload_oldest_seconds": ("gauge", "Age of the oldest pending upload"),
     "tierfs_quarantined_files": ("gauge", "Files kept aside after a rejected upload (conflicts/)"),
+    # The shared tier (sharedtier/), where one is configured.
+    "tierfs_shared_hits": ("counter", "Blocks taken from the shared tier (verified)"),
+    "tierfs_shared_misses": ("counter", "Blocks not in the shared tier (valid) at first look"),
+    "tierfs_shared_corrupt_blocks": ("counter", "Shared-tier blocks that failed verification "
+                                     "(never served; fetched from the origin)"),
+    "tierfs_shared_claims_won": ("counter", "Blocks this node claimed, fetched and put"),
+    "tierfs_shared_claims_lost": ("counter", "Blocks another node had claimed (this one waited)"),
+    "tierfs_shared_claims_expired": ("counter", "Waits that outlived the claim's lease"),
+    "tierfs_shared_own_fetches": ("counter", "Blocks fetched from the origin for this node alone"),
+    "tierfs_shared_puts": ("counter", "Blocks put into the shared tier"),
+    "tierfs_shared_put_failures": ("counter", "Blocks the shared tier did not take"),
+    "tierfs_shared_errors": ("counter", "Shared-tier failures (the origin served instead)"),
+    "tierfs_shared_bytes_from_shared": ("counter", "Block bytes taken from the shared tier"),
+    "tierfs_shared_bytes_from_origin": ("counter", "Block bytes fetched from the origin by "
+                                        "the shared tier's path"),
 }
 
 

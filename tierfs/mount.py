@@ -61,6 +61,7 @@ from tierfs.read.walkahead import WalkAhead
 from tierfs.read.walks import Walks
 from tierfs.read.waste import WasteCaps
 from tierfs.sdnotify import notify
+from tierfs.sharedtier import SharedStore, SharedTier, origin_of
 from tierfs.store.base import Store, StoreError
 from tierfs.workers import Workers, tune_malloc
 from tierfs.writeback.barrier import Barrier
@@ -94,6 +95,7 @@ class Prepared:
     warnings: list[str]
     conditional: bool  # the store enforces conditional writes (manifests publish with them)
     metrics_url: str | None
+    shared: SharedStore | None = None  # the shared tier's store, where one is configured
 
 
 async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
@@ -126,8 +128,14 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
         ns = Namespace(store, cache, policy, workers, health=health, kept=kept, overlay=journal,
                        on_changed=kernel.drop_pages, on_gone=kernel.drop_name,
                        defaults=defaults)
+        shared = None if p.shared is None else SharedTier(
+            p.shared.store, **origin_of(cfg.source), block=cfg.shared_block_size,
+            lease=cfg.shared_lease, conditional=p.shared.conditional, secret=p.shared.secret,
+            budget=budget, meta=workers.meta, data=workers.data, upload=workers.upload)
+        if shared is not None:
+            metrics.add_live(shared.figures)
         fetcher = Fetcher(
-            [StoreSource(store)], workers, nursery, cache=cache, budget=budget, parts=parts,
+            [*([shared] if shared is not None else []), StoreSource(store)], workers, nursery, cache=cache, budget=budget, parts=parts,
             landed=LandedParts(parts, cfg.max_inflight_bytes),
             bodies=Bodies(budget, min(BODIES_MAX, cfg.memory_budget // 8)),
             waste=WasteCaps(cache.capacity),

@@ -33,8 +33,9 @@ from xml.sax.saxutils import escape
 
 import trio
 
-Fault = Literal["403", "500", "503", "reset", "truncate", "latency", "blackhole"]
-FAULTS: frozenset[str] = frozenset({"403", "500", "503", "reset", "truncate", "latency", "blackhole"})
+Fault = Literal["403", "500", "501", "503", "reset", "truncate", "latency", "blackhole"]
+FAULTS: frozenset[str] = frozenset(
+    {"403", "500", "501", "503", "reset", "truncate", "latency", "blackhole"})
 OPS: frozenset[str] = frozenset(
     {"get", "head", "put", "multipart", "list", "copy", "delete", "other"}
 )
@@ -48,6 +49,9 @@ _BODY_GRACE = 0.1  # seconds to let the request-body relay finish after the answ
 _ERRORS = {
     "403": ("403 Forbidden", "AccessDenied", "Access Denied."),  # a permanent error
     "500": ("500 Internal Server Error", "InternalError", "We encountered an internal error."),
+    # What a store without conditional writes answers a PUT with If-None-Match.
+    "501": ("501 Not Implemented", "NotImplemented",
+            "A header you provided implies functionality that is not implemented."),
     "503": ("503 Slow Down", "SlowDown", "Please reduce your request rate."),
 }
 
@@ -59,8 +63,9 @@ class Rule:
     """Inject `fault` into matching requests.
 
     ops: ops to match (None: all). path: regex searched in the request target
-    (path and query). probability: chance per matching request. count: apply
-    at most this many times (None: no limit). delay: seconds, for "latency".
+    (path and query). header: a request header (lower-case name) the request
+    must carry. probability: chance per matching request. count: apply at most
+    this many times (None: no limit). delay: seconds, for "latency".
     """
 
     fault: Fault
@@ -69,6 +74,7 @@ class Rule:
     count: int | None = None
     delay: float = 0.0
     path: str | None = None
+    header: str | None = None
 
     def __post_init__(self) -> None:
         if self.fault not in FAULTS:
@@ -467,7 +473,7 @@ class FaultProxy:
             await trio.serve_listeners(self._serve_conn, listeners, handler_nursery=nursery)
 
     def _decide(
-        self, op: str, method: str, target: str, byte_range: str = ""
+        self, op: str, method: str, target: str, headers: Mapping[str, str]
     ) -> tuple[str | None, float, int]:
         """(fault or None, delay, generation) for one request; counts it."""
         with self._lock:
@@ -478,6 +484,8 @@ class FaultProxy:
                 if rule.ops is not None and op not in rule.ops:
                     continue
                 if rule.path is not None and not re.search(rule.path, target):
+                    continue
+                if rule.header is not None and rule.header not in headers:
                     continue
                 if active.remaining == 0:
                     continue
@@ -492,7 +500,7 @@ class FaultProxy:
             name = fault or "none"
             self._stats[(op, "total")] += 1
             self._stats[(op, name)] += 1
-            self.log.append(LogEntry(op, method, target, name, byte_range))
+            self.log.append(LogEntry(op, method, target, name, headers.get("range", "")))
             return fault, delay, self._generation
 
     async def _send(self, stream: trio.SocketStream, data: bytes) -> None:
@@ -525,7 +533,7 @@ class FaultProxy:
             raise _ProtocolError(f"bad request line {start!r}")
         method, target, version = start
         op = classify(method, target, headers)
-        fault, delay, generation = self._decide(op, method, target, headers.get("range", ""))
+        fault, delay, generation = self._decide(op, method, target, headers)
         with self._lock:
             self._inflight[op] += 1
             self._peak[op] = max(self._peak[op], self._inflight[op])

@@ -64,7 +64,7 @@ def store(tmp_path: Path) -> LocalStore:
 
 
 def ref(index: int = 0, etag: str = "etag-1", size: int = len(DATA)) -> BlockRef:
-    return BlockRef("s3|http://origin|models|", "llm/model.safetensors", etag, size, BLOCK, index)
+    return BlockRef("s3://models", "llm/model.safetensors", etag, size, BLOCK, index)
 
 
 def node(store: LocalStore, name: str, *, conditional: bool = True, secret: bytes | None = None,
@@ -335,7 +335,7 @@ def test_block_names_stand_for_their_whole_identity() -> None:
     base = ref(0)
     variants = [ref(1), ref(0, etag="etag-2"), ref(0, size=len(DATA) + 1),
                 BlockRef(base.source, "llm/other", base.etag, base.size, BLOCK, 0),
-                BlockRef("s3|http://elsewhere|models|", base.key, base.etag, base.size, BLOCK, 0),
+                BlockRef("s3://elsewhere", base.key, base.etag, base.size, BLOCK, 0),
                 BlockRef(base.source, base.key, base.etag, base.size, 2 * BLOCK, 0)]
     checks = {b.checksum(v, b"x" * 10) for v in [base, *variants]}
     assert len(checks) == 1 + len(variants)  # the checksum binds every field

@@ -7,6 +7,7 @@ one copy.
   claims.py  claims and leases: single-flight across nodes through the
              store's conditional create, with takeover when a lease runs out
   tier.py    SharedTier: the source the read path's fetcher asks per block
+  setup.py   opening it before the mount: credentials, secret, probe
 
 The shared tier is a cache, never the truth: the namespace's ETag (from the
 origin's listing or HEAD) names the blocks, writes go to the origin only, and
@@ -15,6 +16,7 @@ cleanup is the bucket's lifecycle rule.
 
 from tierfs.sharedtier.blocks import BlockRef, Blocks
 from tierfs.sharedtier.claims import BlockFlight, Counts, Outcome
+from tierfs.sharedtier.setup import SharedStore, open_shared, origin_of
 from tierfs.sharedtier.tier import SharedTier
 
 __all__ = [
@@ -23,5 +25,8 @@ __all__ = [
     "Blocks",
     "Counts",
     "Outcome",
+    "SharedStore",
     "SharedTier",
+    "open_shared",
+    "origin_of",
 ]

@@ -1,7 +1,7 @@
 """Shared-tier block names and their checksums (pure: no I/O).
 
 A block is `block_size` bytes of one version of one origin object, named by
-what makes it immutable: the origin's identity, the object's key, its ETag,
+what makes it immutable: the origin's bucket, the object's full key, its ETag,
 the block size and the block's index. A new ETag is a new name, so a block of
 an old version is never even looked up for a new one.
 
@@ -44,8 +44,8 @@ _ETAG_OK = re.compile(r"^[A-Za-z0-9-]{1,80}$")
 class BlockRef:
     """Block `index` of version `etag` of object `key` of origin `source`."""
 
-    source: str  # the origin store's identity (endpoint, bucket, prefix)
-    key: str
+    source: str  # the origin's bucket: s3://BUCKET (its endpoint left out: see tier.py)
+    key: str  # the object's full key in it
     etag: str
     size: int  # the object's size
     block_size: int

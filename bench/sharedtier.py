@@ -1,0 +1,373 @@
+"""A replica herd through a shared tier: N nodes load one model, the origin pays once.
+
+Two SeaweedFS servers: the origin, whose egress (bytes sent from its S3 port)
+is limited with tc to --origin-rate (a WAN link), and the shared tier, not
+limited. A model of --size bytes in --shards safetensors shards. Per run:
+
+  alone   one tierfs mount without the shared tier loads the model cold (the reference)
+  herd    N mounts (own cache dirs) with --shared-cache load it at the same moment
+  fifth   one more mount after the herd: origin bytes (should be 0), and its
+          load against boto3 GETs of the same block objects from the shared tier
+  kill    a new herd (new shared prefix); the daemon holding the first claim is
+          killed with -9: how much later than the herd the others finish (target
+          <= lease + one block's fetch), every byte checked
+  corrupt one block of the fifth node's prefix overwritten by boto3 (its metadata
+          kept): a new node detects it, never serves it, fetches it from the origin
+  nocond  the shared tier behind a proxy that answers conditional PUTs 501 (a
+          store without conditional writes): every node fetches for itself
+
+"Origin bytes" are the daemons' own GET byte counters, and beside them what tc
+counted leaving the origin's port (headers and listings included). Every load
+is safetensors.numpy.load_file of each shard in turn, page cache dropped first;
+bytes are checked after the timing (sha256 of each shard read back through the
+mount against the local file's). Medians of --runs; the machine load beside them.
+
+Usage: python bench/sharedtier.py [--size 1G] [--shards 4] [--nodes 4] [--runs 3]
+                                   [--origin-rate 400mbit] [--lease 30]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from common import Bench, GiB, MiB, drop_caches, median, parse_args, report
+from safetensors.numpy import load_file, save_file
+
+from tests.fault.proxy import FaultProxy, Rule
+from tests.support.mount import TierfsMount, is_mounted
+from tests.support.seaweed import SeaweedServer
+
+SHARED_BUCKET = "shared"
+TENSOR = 16 * MiB
+CLAIM_POLL = 0.02
+
+
+def make_shards(work: Path, size: int, shards: int) -> list[Path]:
+    rng = np.random.default_rng(0)
+    per = max(1, size // shards // TENSOR)
+    paths = []
+    for s in range(shards):
+        p = work / f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({f"layers.{s}.{i}.weight":
+                   rng.standard_normal(TENSOR // 4, dtype=np.float32).reshape(-1, 1024)
+                   for i in range(per)}, str(p))
+        paths.append(p)
+    return paths
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 * MiB):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _load(paths: list[str], start: Any, out: Any, tag: int) -> None:
+    start.wait()
+    t = time.perf_counter()
+    try:
+        for p in paths:
+            tensors = load_file(p)
+            assert sum(a.nbytes for a in tensors.values()) > 0
+            del tensors
+        out.put((tag, time.perf_counter() - t, None))
+    except OSError as exc:  # a node whose daemon was killed
+        out.put((tag, time.perf_counter() - t, str(exc)))
+
+
+def load_together(nodes: list[list[str]]) -> tuple[dict[int, float], dict[int, str]]:
+    """Every node's loader starts at the same moment: (wall by node, errors by node)."""
+    ctx = mp.get_context("fork")
+    start, out = ctx.Event(), ctx.Queue()
+    ps = [ctx.Process(target=_load, args=(paths, start, out, i)) for i, paths in enumerate(nodes)]
+    for p in ps:
+        p.start()
+    time.sleep(0.3)
+    start.set()
+    walls: dict[int, float] = {}
+    errors: dict[int, str] = {}
+    for _ in ps:
+        tag, wall, err = out.get()
+        walls[tag] = wall
+        if err is not None:
+            errors[tag] = err
+    for p in ps:
+        p.join()
+    return walls, errors
+
+
+@contextlib.contextmanager
+def shaped_egress(port: int, rate: str) -> Iterator[Any]:
+    """Bytes sent FROM 127.0.0.1:`port` (the origin's S3 port: its GET bodies)
+    limited to `rate`; yields a function giving the bytes tc has sent so far in
+    the limited class. An HTB qdisc on lo, removed on exit."""
+    subprocess.run(["tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb",
+                    "default", "10"], check=True)
+    try:
+        for cmd in (["class", "add", "dev", "lo", "parent", "1:", "classid", "1:10",
+                     "htb", "rate", "100gbit"],
+                    ["class", "add", "dev", "lo", "parent", "1:", "classid", "1:20",
+                     "htb", "rate", rate, "ceil", rate],
+                    ["filter", "add", "dev", "lo", "protocol", "ip", "parent", "1:0", "prio",
+                     "1", "u32", "match", "ip", "sport", str(port), "0xffff", "flowid", "1:20"]):
+            subprocess.run(["tc", *cmd], check=True, stderr=subprocess.DEVNULL)
+
+        def sent() -> int:
+            out = subprocess.run(["tc", "-s", "class", "show", "dev", "lo", "classid", "1:20"],
+                                 capture_output=True, text=True, check=True).stdout
+            m = re.search(r"Sent (\d+) bytes", out)
+            return int(m.group(1)) if m else 0
+
+        yield sent
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)
+
+
+class Herd:
+    """The bench's mounts: each its own cache dir; unmounted and wiped after use."""
+
+    def __init__(self, b: Bench, shared: SeaweedServer, args: Any, files: list[Path]) -> None:
+        self.b, self.shared, self.args = b, shared, args
+        self.keys = [f"models/llm/{p.name}" for p in files]
+        self.digests = {k: sha256_file(p) for k, p in zip(self.keys, files, strict=True)}
+        for k, p in zip(self.keys, files, strict=True):
+            b.seed(k, p)
+        self.config = b.work / "shared.toml"
+        self.config.write_text(f'[shared]\nlease = {args.lease}\n')
+
+    def mount(self, prefix: str | None, endpoint: str | None = None) -> TierfsMount:
+        extra = [] if prefix is None else [
+            "--config", str(self.config), "--shared-cache", f"s3://{SHARED_BUCKET}/{prefix}",
+            "--shared-endpoint-url", endpoint or self.shared.endpoint]
+        return self.b.mount(None, *extra)
+
+    def done(self, mounts: list[TierfsMount]) -> None:
+        for m in mounts:
+            if m.pid is None and is_mounted(m.mountpoint):
+                m.cleanup()  # killed: a dead mount
+            else:
+                self.b.unmount(m)
+            shutil.rmtree(m.cache_dir, ignore_errors=True)
+
+    def paths(self, m: TierfsMount) -> list[str]:
+        return [str(m.mountpoint / k) for k in self.keys]
+
+    def verified(self, m: TierfsMount) -> bool:
+        return all(sha256_file(m.mountpoint / k) == self.digests[k] for k in self.keys)
+
+
+def origin_bytes(mounts: list[TierfsMount]) -> float:
+    return sum(m.metric("tierfs_store_bytes_total{op=get}") for m in mounts)
+
+
+def shared_blocks(client: Any, prefix: str) -> list[tuple[str, int]]:
+    out = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=SHARED_BUCKET,
+                                                                  Prefix=prefix + "/"):
+        out += [(o["Key"], o["Size"]) for o in page.get("Contents", [])
+                if not o["Key"].endswith(".claim")]
+    return out
+
+
+def boto_get_all(client: Any, keys: list[tuple[str, int]], threads: int) -> tuple[float, int]:
+    """GET every block object whole into a reused buffer per thread: the shared
+    tier's speed for these bytes as a plain client sees it."""
+    local = threading.local()
+
+    def get(item: tuple[str, int]) -> int:
+        key, size = item
+        if getattr(local, "buf", None) is None or len(local.buf) < size:
+            local.buf = memoryview(bytearray(size))
+        body = client.get_object(Bucket=SHARED_BUCKET, Key=key)["Body"]
+        got = 0
+        while got < size and (n := body.readinto(local.buf[got:size])):
+            got += n
+        return got
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        total = sum(ex.map(get, keys))
+    return time.perf_counter() - t, total
+
+
+def kill_first_claimer(client: Any, prefix: str, mounts: list[TierfsMount],
+                       stop: threading.Event, killed: list[int]) -> None:
+    """Watch the shared prefix for a claim; kill -9 the daemon that made it."""
+    pids = {m.pid: i for i, m in enumerate(mounts)}
+    while not stop.is_set():
+        for page in client.get_paginator("list_objects_v2").paginate(
+                Bucket=SHARED_BUCKET, Prefix=prefix + "/"):
+            for o in page.get("Contents", []):
+                if not o["Key"].endswith(".claim"):
+                    continue
+                with contextlib.suppress(Exception):
+                    body = client.get_object(Bucket=SHARED_BUCKET, Key=o["Key"])["Body"].read()
+                    pid = int(json.loads(body)["node"].rsplit(":", 1)[1])
+                    if pid in pids:
+                        os.kill(pid, 9)
+                        killed.append(pids[pid])
+                        mounts[pids[pid]].pid = None
+                        return
+        time.sleep(CLAIM_POLL)
+
+
+def main() -> None:
+    def extra(p: Any) -> None:
+        p.add_argument("--shards", type=int, default=4)
+        p.add_argument("--nodes", type=int, default=4)
+        p.add_argument("--origin-rate", default="400mbit")
+        p.add_argument("--lease", type=float, default=30.0)
+        p.add_argument("--boto-threads", type=int, default=4)
+
+    args = parse_args(__doc__.splitlines()[0], GiB, 3, extra)
+    shared = SeaweedServer(data_dir=None)
+    with Bench(args, "sharedtier") as b, shared:
+        sc = shared.client()
+        sc.create_bucket(Bucket=SHARED_BUCKET)
+        files = make_shards(b.work, args.size, args.shards)
+        size = sum(p.stat().st_size for p in files)
+        herd = Herd(b, shared, args, files)
+        res: dict[str, list[float]] = {k: [] for k in (
+            "alone_s", "herd_slowest_s", "herd_vs_alone", "herd_origin_gib", "herd_tc_origin_gib",
+            "fifth_s", "fifth_origin_bytes", "fifth_boto_s", "fifth_vs_boto",
+            "kill_survivors_slowest_s", "kill_extra_s", "kill_origin_gib", "corrupt_detected",
+            "corrupt_origin_mib", "nocond_slowest_s", "nocond_origin_gib")}
+        checks: dict[str, list[bool]] = {"herd": [], "kill": [], "corrupt": [], "nocond": []}
+        proxy = FaultProxy(shared.endpoint).start()
+        proxy.set_rules([Rule("501", ops={"put"}, header="if-none-match"),
+                         Rule("501", ops={"put"}, header="if-match")])
+        try:
+            with shaped_egress(b.server.s3_port, args.origin_rate) as tc_sent:
+                for run in range(args.runs):
+                    one_run(run, b, herd, sc, proxy, tc_sent, size, args, res, checks)
+        finally:
+            proxy.stop()
+        load = os.getloadavg()
+        b.result.update({k: {"runs": v, "median": median(v)} for k, v in res.items()})
+        b.result["checks"] = checks
+        b.result["model_bytes"] = size
+        b.result["origin_rate"] = args.origin_rate
+        b.result["lease_s"] = args.lease
+        b.result["loadavg"] = load
+        b.save()
+        med = {k: median(v) for k, v in res.items()}
+        print(f"sharedtier: {size / GiB:.2f} GiB model in {args.shards} shards, {args.nodes} nodes, "
+              f"origin egress {args.origin_rate}, lease {args.lease:g} s, median of {args.runs}; "
+              f"load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+        report([
+            ("one node alone, cold, no shared tier", f"{med['alone_s']:.1f} s"),
+            (f"herd of {args.nodes}: slowest node", f"{med['herd_slowest_s']:.1f} s = "
+             f"{med['herd_vs_alone']:.2f}x alone (target <= 1.3x)"),
+            ("herd: origin bytes (daemons / tc)", f"{med['herd_origin_gib']:.3f} / "
+             f"{med['herd_tc_origin_gib']:.3f} GiB (target <= 1.1; without: {args.nodes})"),
+            ("fifth node: origin bytes", f"{med['fifth_origin_bytes']:.0f}"),
+            ("fifth node: load vs boto3 GETs of the blocks",
+             f"{med['fifth_s']:.2f} s vs {med['fifth_boto_s']:.2f} s "
+             f"({args.boto_threads} threads) = {med['fifth_vs_boto']:.2f}x"),
+            ("claimer killed -9: survivors' slowest", f"{med['kill_survivors_slowest_s']:.1f} s, "
+             f"{med['kill_extra_s']:.1f} s over the herd (lease {args.lease:g} s); "
+             f"origin {med['kill_origin_gib']:.3f} GiB; bytes verified {all(checks['kill'])}"),
+            ("corrupt block", f"detected {med['corrupt_detected']:.0f}x, origin "
+             f"{med['corrupt_origin_mib']:.0f} MiB, bytes verified {all(checks['corrupt'])}"),
+            ("no conditional writes: slowest / origin",
+             f"{med['nocond_slowest_s']:.1f} s / {med['nocond_origin_gib']:.3f} GiB; "
+             f"bytes verified {all(checks['nocond'])}"),
+        ])
+
+
+def one_run(run: int, b: Bench, herd: Herd, sc: Any, proxy: FaultProxy, tc_sent: Any,
+            size: int, args: Any, res: dict[str, list[float]],
+            checks: dict[str, list[bool]]) -> None:
+    n = args.nodes
+    # alone: the reference
+    m = herd.mount(None)
+    drop_caches()
+    walls, _ = load_together([herd.paths(m)])
+    res["alone_s"].append(walls[0])
+    herd.done([m])
+
+    # herd
+    prefix = f"run{run}"
+    ms = [herd.mount(prefix) for _ in range(n)]
+    drop_caches()
+    before = tc_sent()
+    walls, errors = load_together([herd.paths(m) for m in ms])
+    res["herd_tc_origin_gib"].append((tc_sent() - before) / GiB)
+    res["herd_slowest_s"].append(max(walls.values()))
+    res["herd_vs_alone"].append(res["herd_slowest_s"][-1] / res["alone_s"][-1])
+    res["herd_origin_gib"].append(origin_bytes(ms) / GiB)
+    checks["herd"].append(not errors and all(herd.verified(m) for m in ms))
+    herd.done(ms)
+
+    # fifth node, and boto3 GETs of the same bytes from the shared tier
+    m5 = herd.mount(prefix)
+    drop_caches()
+    walls, _ = load_together([herd.paths(m5)])
+    res["fifth_s"].append(walls[0])
+    res["fifth_origin_bytes"].append(origin_bytes([m5]))
+    herd.done([m5])
+    blocks = shared_blocks(sc, prefix)
+    drop_caches()
+    secs, got = boto_get_all(sc, blocks, args.boto_threads)
+    assert got == size, (got, size)
+    res["fifth_boto_s"].append(secs)
+    res["fifth_vs_boto"].append(res["fifth_s"][-1] / secs)
+
+    # a corrupt block: overwritten by boto3, its metadata kept
+    key, bsize = blocks[len(blocks) // 2]
+    meta = sc.head_object(Bucket=SHARED_BUCKET, Key=key)["Metadata"]
+    sc.put_object(Bucket=SHARED_BUCKET, Key=key, Body=os.urandom(bsize), Metadata=meta)
+    mc = herd.mount(prefix)
+    drop_caches()
+    load_together([herd.paths(mc)])
+    res["corrupt_detected"].append(mc.metric("tierfs_shared_corrupt_blocks"))
+    res["corrupt_origin_mib"].append(origin_bytes([mc]) / MiB)
+    checks["corrupt"].append(herd.verified(mc))
+    herd.done([mc])
+
+    # the claimer killed with -9 mid-fetch
+    kprefix = f"kill{run}"
+    ms = [herd.mount(kprefix) for _ in range(n)]
+    drop_caches()
+    stop, killed = threading.Event(), []
+    watcher = threading.Thread(target=kill_first_claimer, args=(sc, kprefix, ms, stop, killed))
+    watcher.start()
+    walls, errors = load_together([herd.paths(m) for m in ms])
+    stop.set()
+    watcher.join()
+    survivors = [i for i in range(n) if i not in killed]
+    res["kill_survivors_slowest_s"].append(max(walls[i] for i in survivors))
+    res["kill_extra_s"].append(res["kill_survivors_slowest_s"][-1] - res["herd_slowest_s"][-1])
+    res["kill_origin_gib"].append(origin_bytes([ms[i] for i in survivors]) / GiB)
+    checks["kill"].append(len(killed) == 1 and not set(errors) - set(killed)
+                          and all(herd.verified(ms[i]) for i in survivors))
+    herd.done(ms)
+
+    # a shared tier without conditional writes (behind the proxy)
+    ms = [herd.mount(f"nocond{run}", proxy.endpoint) for _ in range(n)]
+    drop_caches()
+    walls, errors = load_together([herd.paths(m) for m in ms])
+    res["nocond_slowest_s"].append(max(walls.values()))
+    res["nocond_origin_gib"].append(origin_bytes(ms) / GiB)
+    checks["nocond"].append(not errors and all(herd.verified(m) for m in ms))
+    herd.done(ms)
+    print(f"run {run}: " + ", ".join(f"{k} {v[-1]:.3g}" for k, v in res.items() if v), flush=True)
+
+
+if __name__ == "__main__":
+    main()

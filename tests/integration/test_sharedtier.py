@@ -1,0 +1,211 @@
+"""The shared tier across real mounts: 4 tierfs daemons (each its own cache dir) over
+one real SeaweedFS, origin and shared tier as two buckets of it. Origin bytes are the
+daemons' own GET byte counters (`tierfs_store_bytes_total{op=get}`: shared-tier
+requests are counted apart, as shared_*); the rest are the shared tier's counters.
+
+The rows of issue 35's table at small sizes (the bench, bench/sharedtier.py, has
+them at 1 GiB with a shaped origin link)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.fault.proxy import FaultProxy, Rule
+from tests.integration.conftest import MountFactory
+from tests.support.mount import TierfsMount
+from tests.support.seaweed import SeaweedServer
+
+MiB = 1 << 20
+BLOCK = 2 * MiB
+SIZE = 24 * MiB + 12345  # 13 blocks, the last one short
+BLOCKS = -(-SIZE // BLOCK)
+KEY = "models/llm/model.bin"
+NODES = 4
+LEASE = 3.0
+# Hang guard of the kill -9 test: normal completion is a few seconds plus one lease.
+HANG_GUARD = 120.0
+
+
+@pytest.fixture
+def shared_bucket(s3_server: SeaweedServer, _made_buckets: list[tuple[SeaweedServer, str]]) -> str:
+    name = f"shared{os.getpid()}-{len(_made_buckets)}"
+    s3_server.make_bucket(name)
+    _made_buckets.append((s3_server, name))
+    return name
+
+
+@pytest.fixture
+def model(s3_server: SeaweedServer, bucket: str) -> bytes:
+    data = os.urandom(SIZE)
+    s3_server.client().put_object(Bucket=bucket, Key=KEY, Body=data)
+    return data
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    path = tmp_path / "shared.toml"
+    path.write_text(f'[shared]\nblock_size = "{BLOCK >> 20}M"\nlease = {LEASE}\n')
+    return path
+
+
+Node = Callable[..., TierfsMount]
+
+
+@pytest.fixture
+def node(mount_factory: MountFactory, bucket: str, shared_bucket: str, config: Path,
+         s3_server: SeaweedServer) -> Node:
+    """A mount of the origin bucket with the shared tier (at `endpoint`, by default
+    the same server)."""
+
+    def make(endpoint: str | None = None, origin: str | None = None) -> TierfsMount:
+        env = None if origin is None else {**s3_server.env(), "AWS_ENDPOINT_URL": origin}
+        return mount_factory(f"s3://{bucket}", "--config", str(config),
+                             "--shared-cache", f"s3://{shared_bucket}/fleet",
+                             "--shared-endpoint-url", endpoint or s3_server.endpoint, env=env)
+
+    return make
+
+
+def read_together(mounts: list[TierfsMount]) -> dict[int, bytes | BaseException]:
+    """Every mount reads the model whole, all starting at the same moment."""
+    start = threading.Barrier(len(mounts))
+    out: dict[int, bytes | BaseException] = {}
+
+    def read(i: int) -> None:
+        start.wait()
+        try:
+            out[i] = (mounts[i].mountpoint / KEY).read_bytes()
+        except OSError as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(len(mounts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def wait_for(cond: Callable[[], bool], what: str) -> None:
+    """Poll `cond` (a condition, not a delay); the bound only ends a hang."""
+    deadline = time.monotonic() + HANG_GUARD
+    while not cond():
+        assert time.monotonic() < deadline, f"hang: never saw {what}"
+        time.sleep(0.05)
+
+
+def origin_bytes(m: TierfsMount) -> float:
+    return m.metric("tierfs_store_bytes_total{op=get}")
+
+
+def shared(m: TierfsMount, what: str) -> float:
+    return m.metric(f"tierfs_shared_{what}_total")
+
+
+def shared_keys(s3: SeaweedServer, bucket: str) -> list[str]:
+    listed = s3.client().list_objects_v2(Bucket=bucket, Prefix="fleet/")
+    return [o["Key"] for o in listed.get("Contents", [])]
+
+
+def test_a_herd_costs_the_origin_one_copy_and_a_fifth_node_none(
+    node: Node, model: bytes, s3_server: SeaweedServer, shared_bucket: str
+) -> None:
+    herd = [node() for _ in range(NODES)]
+    got = read_together(herd)
+    assert all(got[i] == model for i in range(NODES))
+    assert sum(origin_bytes(m) for m in herd) <= 1.1 * SIZE
+    # Every block was claimed once; the others waited for it or found it.
+    assert sum(shared(m, "claims_won") for m in herd) >= BLOCKS
+    assert sum(shared(m, "puts") for m in herd) == BLOCKS
+    assert sum(shared(m, "hits") for m in herd) == (NODES - 1) * BLOCKS
+    assert sum(shared(m, "corrupt_blocks") for m in herd) == 0
+    blocks = [k for k in shared_keys(s3_server, shared_bucket) if not k.endswith(".claim")]
+    assert len(blocks) == BLOCKS  # and no claim left behind
+    assert len(shared_keys(s3_server, shared_bucket)) == BLOCKS
+    fifth = node()
+    assert (fifth.mountpoint / KEY).read_bytes() == model
+    assert origin_bytes(fifth) == 0
+    assert shared(fifth, "hits") == BLOCKS
+    assert shared(fifth, "bytes_from_shared") == SIZE
+
+
+def test_a_claimer_killed_mid_fetch_is_taken_over(
+    node: Node, model: bytes, s3_server: SeaweedServer, shared_bucket: str
+) -> None:
+    """The claimer's origin GETs hang (a proxy holds them: it is mid-fetch, holding
+    its claims); it is killed with -9 once the others wait on it. They take its
+    claims over when the lease runs out and read every byte right."""
+    with FaultProxy(s3_server.endpoint) as origin:
+        origin.set_rules([Rule("blackhole", ops={"get"})])
+        claimer = node(origin=origin.endpoint)
+        stuck = threading.Thread(target=read_together, args=([claimer],), daemon=True)
+        stuck.start()
+        wait_for(lambda: any(k.endswith(".claim") for k in shared_keys(s3_server, shared_bucket)),
+                 "the stuck node's claim")
+        others = [node() for _ in range(NODES - 1)]
+        result: dict[int, bytes | BaseException] = {}
+        readers = threading.Thread(target=lambda: result.update(read_together(others)))
+        readers.start()
+        wait_for(lambda: sum(shared(m, "claims_lost") for m in others) > 0,
+                 "the others waiting on its claims")
+        claimer.kill9()
+        readers.join(HANG_GUARD)
+        assert not readers.is_alive()  # hang guard: done within a lease plus a fetch, normally
+    assert [result[i] == model for i in range(NODES - 1)] == [True] * (NODES - 1)
+    assert sum(shared(m, "claims_expired") for m in others) >= 1
+    assert sum(origin_bytes(m) for m in others) <= 1.1 * SIZE  # the takeover fetched, once
+
+
+def test_a_corrupt_block_is_detected_never_served_refetched_and_counted(
+    node: Node, model: bytes, s3_server: SeaweedServer, shared_bucket: str
+) -> None:
+    first = node()
+    assert (first.mountpoint / KEY).read_bytes() == model
+    client = s3_server.client()
+    name = sorted(k for k in shared_keys(s3_server, shared_bucket) if k.endswith("/5"))[0]
+    meta = client.head_object(Bucket=shared_bucket, Key=name)["Metadata"]
+    # Overwritten by boto3 with other bytes, its checksum kept in the metadata.
+    client.put_object(Bucket=shared_bucket, Key=name, Body=os.urandom(BLOCK), Metadata=meta)
+    second = node()
+    assert (second.mountpoint / KEY).read_bytes() == model
+    assert shared(second, "corrupt_blocks") == 1
+    assert origin_bytes(second) == BLOCK  # that block, from the origin
+    assert shared(second, "hits") == BLOCKS - 1
+    third = node()  # the block was put again, whole
+    assert (third.mountpoint / KEY).read_bytes() == model
+    assert (shared(third, "corrupt_blocks"), origin_bytes(third)) == (0, 0)
+
+
+@pytest.fixture
+def no_conditional_writes(s3_server: SeaweedServer) -> Iterator[FaultProxy]:
+    """The shared tier behind a proxy answering conditional PUTs 501 Not Implemented,
+    as stores without conditional writes do: SeaweedFS enforces them, so a store
+    without them is made by refusing the header (the probe's own criterion)."""
+    with FaultProxy(s3_server.endpoint) as p:
+        p.set_rules([Rule("501", ops={"put"}, header="if-none-match"),
+                     Rule("501", ops={"put"}, header="if-match")])
+        yield p
+
+
+def test_without_conditional_writes_every_node_fetches_for_itself(
+    node: Node, model: bytes, s3_server: SeaweedServer, shared_bucket: str,
+    no_conditional_writes: FaultProxy,
+) -> None:
+    herd = [node(no_conditional_writes.endpoint) for _ in range(NODES)]
+    assert all(m.stderr.count("does not enforce conditional writes") == 1 for m in herd)
+    got = read_together(herd)
+    assert all(got[i] == model for i in range(NODES))
+    for m in herd:
+        assert shared(m, "claims_won") == shared(m, "claims_lost") == 0
+        assert shared(m, "own_fetches") + shared(m, "hits") == BLOCKS
+        assert origin_bytes(m) == shared(m, "bytes_from_origin")
+    assert not [k for k in shared_keys(s3_server, shared_bucket) if k.endswith(".claim")]
+    late = node(no_conditional_writes.endpoint)  # what they put serves a later node
+    assert (late.mountpoint / KEY).read_bytes() == model
+    assert origin_bytes(late) == 0
