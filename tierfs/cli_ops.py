@@ -62,6 +62,21 @@ def mount_of(path: str | Path) -> tuple[Path, str, str]:
 # -- status ---------------------------------------------------------------------------
 
 
+def _shared_row(metrics: dict[str, Any]) -> str | None:
+    """The shared tier's counters (tierfs_shared_*), where the mount has one."""
+    if "tierfs_shared_hits_total" not in metrics:
+        return None
+
+    def n(what: str) -> int:
+        return int(metrics.get(f"tierfs_shared_{what}_total", 0))
+
+    return (f"{n('hits')} blocks taken, {n('misses')} missed, {n('corrupt_blocks')} corrupt; "
+            f"claims won {n('claims_won')}, lost {n('claims_lost')}, expired "
+            f"{n('claims_expired')}; bytes from it {human(n('bytes_from_shared'))}, from the "
+            f"origin {human(n('bytes_from_origin'))}"
+            + (f"; errors {n('errors')}" if n("errors") else ""))
+
+
 def print_status(st: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -111,6 +126,9 @@ def print_status(st: dict[str, Any]) -> None:
     ) or "none"
     t.add_row("store", f"fetched {human(s.get('get_bytes', 0))}, uploaded "
               f"{human(s.get('put_bytes', 0))}; requests: {req_txt}")
+    shared = _shared_row(st.get("metrics") or {})
+    if shared:
+        t.add_row("shared tier", shared)
     p = st.get("pending") or {}
     if p.get("available"):
         hashing = p.get("checksums_pending") or 0

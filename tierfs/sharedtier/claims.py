@@ -61,6 +61,9 @@ POLL_GROWTH = 1.5
 CLOCK_SKEW = 5.0
 
 
+_REFUSED = "<If-Match refused>"  # _take_over's answer where the store has no If-Match
+
+
 class Outcome(Enum):
     HIT = "shared"  # taken from the shared tier, verified
     FILLED = "filled"  # claimed (or taken over), fetched from the origin, put
@@ -165,6 +168,8 @@ class BlockFlight:
             if stale or now - waiting_since >= self.lease:
                 self.counts.claims_expired += 1
                 held = await self._take_over(claim, seen.etag)
+                if held is _REFUSED:  # no If-Match here: each waiter fetches for itself
+                    return await self._fetch(ref, name, buf, origin, claim=None)
                 if held is not None:
                     log.info("shared block %s: a claim made at %s UTC outlived its lease; "
                              "taken over", name, time.strftime("%H:%M:%S", time.gmtime(seen.mtime)))
@@ -265,12 +270,15 @@ class BlockFlight:
 
     async def _take_over(self, claim: str, etag: str) -> str | None:
         """Replace the expired claim `etag` with this node's; its ETag, or None if
-        another waiter replaced (or its claimer released) it first."""
+        another waiter replaced (or its claimer released) it first, or _REFUSED
+        where the store takes If-None-Match but refuses If-Match."""
         try:
             info = await self._meta(self._put_claim, claim, etag)
         except StoreError as exc:
             if exc.kind in ("precondition", "not_found"):
                 return None
+            if exc.kind == "invalid":
+                return _REFUSED
             raise SharedError(exc) from exc
         return str(info.etag)
 
