@@ -16,6 +16,8 @@ import pytest
 import trio
 import trio.testing
 
+from tierfs.budget import MemoryBudget
+from tierfs.read.sources import Got, MemorySink, Sink, Want
 from tierfs.sharedtier.blocks import SUM_META, BlockRef, Blocks
 from tierfs.sharedtier.claims import CLOCK_SKEW, POLL_MAX, BlockFlight, Counts, Outcome
 from tierfs.sharedtier.tier import SharedTier
@@ -344,28 +346,37 @@ def test_block_names_stand_for_their_whole_identity() -> None:
     assert b.name(ref(0, etag='"odd/etag"')).count("/") == b.name(base).count("/")
 
 
-async def test_the_tier_leaves_small_objects_and_a_down_store_to_the_origin(
+async def test_the_tier_leaves_small_objects_and_a_failing_store_to_the_origin(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
+    """As a fetcher source: an object under one block and a range that is not whole
+    blocks with no tier-1 file to put them in are the origin's (None); a block the
+    shared store fails on comes from the origin, counted, never an error."""
     mock_clock.autojump_threshold = 0
     (tmp_path / "a-file").write_bytes(b"")
     gone = LocalStore(str(tmp_path / "a-file"))  # a root that is a file: every put fails
-    tier = SharedTier(gone, source="s", block=BLOCK, lease=LEASE, conditional=True, secret=None,
-                      meta=inline, data=inline, upload=inline)
-    below_calls = 0
+    tier = SharedTier(gone, source="s3://models", block=BLOCK, lease=LEASE, conditional=True,
+                      secret=None, budget=MemoryBudget(1 << 30), meta=inline, data=inline,
+                      upload=inline)
+    asked: list[Want] = []
 
-    async def below(start: int, view: memoryview) -> int:
-        nonlocal below_calls
-        below_calls += 1
-        return len(view)
+    async def below(want: Want, sink: Sink) -> Got:
+        asked.append(want)
+        sink.buffer()[:] = DATA[want.start : want.end]
+        return Got(want.etag)
 
-    small = memoryview(bytearray(BLOCK - 1))
-    assert await tier.fetch("k", "e", BLOCK - 1, 0, small, below) is None
-    assert tier.counts.misses == 0  # not even asked
-    with pytest.raises(ValueError):
-        await tier.fetch("k", "e", 2 * BLOCK, 1, memoryview(bytearray(BLOCK)), below)
+    def sink(n: int) -> MemorySink:
+        return MemorySink(bytearray(n), inline)
+
+    small = Want("k", "e", BLOCK - 1, 0, BLOCK - 1)
+    assert await tier.fetch(small, sink(len(small)), below) is None
+    part = Want("k", "e", len(DATA), 10, 4096)
+    assert await tier.fetch(part, sink(len(part)), below) is None
+    assert (tier.counts.misses, asked) == (0, [])  # not even asked
     # A HEAD under that root is "not found": the node claims; the claim's put
-    # fails, a shared-tier error: the fetcher is told to ask the origin itself.
-    buf = memoryview(bytearray(BLOCK))
-    assert await tier.fetch("k", "e", 2 * BLOCK, 0, buf, below) is None
-    assert tier.counts.errors == 1 and below_calls == 0
+    # fails, a shared-tier error: the block comes from the origin.
+    block = Want("k", "e", len(DATA), BLOCK, 2 * BLOCK)
+    out = sink(len(block))
+    assert await tier.fetch(block, out, below) == Got("e")
+    assert bytes(out.buffer()) == DATA[BLOCK : 2 * BLOCK]
+    assert (tier.counts.errors, asked) == (1, [block])
