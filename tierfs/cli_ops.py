@@ -129,6 +129,15 @@ def print_status(st: dict[str, Any]) -> None:
     shared = _shared_row(st.get("metrics") or {})
     if shared:
         t.add_row("shared tier", shared)
+    if s.get("engine"):
+        cpu = s.get("cpu_seconds") or {}
+        moved = s.get("runtime_bytes") or {}
+        by_runtime = (f"the runtime moved {human(moved.get('get', 0))} in, "
+                      f"{human(moved.get('put', 0))} out; " if moved else "")
+        t.add_row("transfers", f"engine {s['engine']}: {by_runtime}daemon CPU "
+                  f"{cpu.get('python', 0.0):.1f} s in {cpu.get('python_threads', 0)} Python "
+                  f"threads, {cpu.get('runtime', 0.0):.1f} s in "
+                  f"{cpu.get('runtime_threads', 0)} runtime threads (AwsEventLoop*)")
     p = st.get("pending") or {}
     if p.get("available"):
         hashing = p.get("checksums_pending") or 0

@@ -63,6 +63,7 @@ from tierfs.read.waste import WasteCaps
 from tierfs.sdnotify import notify
 from tierfs.sharedtier import SharedStore, SharedTier, origin_of
 from tierfs.store.base import Store, StoreError
+from tierfs.store.crt import transfer_status
 from tierfs.workers import Workers, tune_malloc
 from tierfs.writeback.barrier import Barrier
 from tierfs.writeback.core import WriteBack
@@ -192,7 +193,8 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
             classes=cfg.classes, rules=cfg.rules, default_class=cfg.default_class,
             metrics_url=p.metrics_url)
         ctl = ControlOps(info, ns, fetcher, cache, policy, metrics, workers, health, wb, budget,
-                         modes.summary, stop)
+                         modes.summary, stop,
+                         transfers=partial(transfer_status, getattr(store, "engine", None)))
         metrics.add_live(ctl.live_figures)
 
         nursery.start_soon(health.watch, partial(workers.meta, store.check))

@@ -98,6 +98,7 @@ class ControlOps:
         budget: MemoryBudget,
         passthrough: Callable[[], dict[str, Any]],
         stop: trio.Event,
+        transfers: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.info = info
         self.ns = ns
@@ -111,6 +112,7 @@ class ControlOps:
         self.budget = budget
         self.passthrough = passthrough  # the mount's mode, why, inodes open that way
         self.stop = stop
+        self.transfers = transfers  # the store's engine, its bytes, CPU by thread kind
         # Figures owned by trio-side objects, refreshed by `refresh_live` and read
         # by the metrics scrape thread (which must not call into them itself).
         self._live: dict[str, float] = {}
@@ -310,6 +312,7 @@ class ControlOps:
                 "get_bytes": int(snap.get("tierfs_store_bytes_total{op=get}", 0.0)),  # type: ignore[call-overload]
                 "put_bytes": int(snap.get("tierfs_store_bytes_total{op=put}", 0.0)),  # type: ignore[call-overload]
                 "requests": requests,
+                **(self.transfers() if self.transfers is not None else {}),
             },
             "pending": pending,
             "quarantined": quarantined,

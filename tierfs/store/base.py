@@ -103,6 +103,11 @@ class Store(Protocol):
     # what sending parts while a file is written needs (writeback/streaming.py).
     streams_parts: bool
 
+    @property
+    def uploads_files(self) -> bool:
+        """put_file reads the file itself and sends its parts in parallel (the transfer
+        engine): the uploader hands it the sealed cache file instead of sending parts."""
+
     def check(self) -> None:
         """Verify the source exists and the credentials work; raise StoreError with a one-line reason."""
 
@@ -135,7 +140,8 @@ class Store(Protocol):
         progress: Callable[[int], None] | None = None,
     ) -> ObjectInfo:
         """Upload a local file (multipart when large). Conditional failures raise
-        StoreError(kind='precondition', errno ESTALE)."""
+        StoreError(kind='precondition', errno ESTALE). `progress(n)` may be called
+        from any thread."""
 
     def put_bytes(
         self,

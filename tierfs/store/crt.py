@@ -69,22 +69,34 @@ class Answer:
         self.headers = {k.lower(): v for k, v in headers}
 
 
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds of this process's threads, split into the runtime's
-    (`AwsEventLoop...`) and every other ("python"), from /proc/self/task."""
+def thread_cpu(pid: int | str = "self") -> dict[str, float]:
+    """CPU seconds of a process's threads (this one's by default), split into the
+    runtime's (named `AwsEventLoop...`) and every other ("python"), with their
+    counts, from /proc/PID/task."""
     tick = os.sysconf("SC_CLK_TCK")
-    out = {"python": 0.0, "runtime": 0.0}
-    for tid in os.listdir("/proc/self/task"):
+    out = {"python": 0.0, "runtime": 0.0, "python_threads": 0, "runtime_threads": 0}
+    for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
                 comm = f.read()
-            with open(f"/proc/self/task/{tid}/stat") as f:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:  # the thread ended meanwhile
             continue
         kind = "runtime" if comm.startswith("AwsEventLoop") else "python"
         out[kind] += (int(fields[11]) + int(fields[12])) / tick
+        out[kind + "_threads"] += 1
     return out
+
+
+def transfer_status(engine: CrtEngine | None) -> dict[str, object]:
+    """For `tierfs status`: which engine moves the bytes, what it moved, and the
+    daemon's CPU split into the runtime's threads and the Python ones."""
+    return {
+        "engine": "crt" if engine is not None else "botocore",
+        "runtime_bytes": dict(engine.moved) if engine is not None else {},
+        "cpu_seconds": thread_cpu(),
+    }
 
 
 class CrtEngine:

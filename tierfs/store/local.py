@@ -127,6 +127,7 @@ class LocalStore:
     # Its multipart uploads live in this process only: a restart cannot abort
     # them by id, so files go up after their seal only.
     streams_parts = False
+    uploads_files = False  # the uploader's parallel parts; put_file is one copy
 
     def __init__(
         self, root: str, *, observer: RequestObserver | None = None,

@@ -106,6 +106,11 @@ class S3Store:
 
     streams_parts = True  # uploads can be listed and aborted by id; objects take tags
 
+    @property
+    def uploads_files(self) -> bool:
+        """The runtime reads files for put_file (botocore's put_file sends parts one by one)."""
+        return self.engine is not None
+
     # Server-side copy switches to UploadPartCopy above this size (S3's CopyObject limit).
     multipart_copy_threshold: int = 5 << 30
     copy_part_size: int = 512 << 20

@@ -317,6 +317,8 @@ class Uploader:
         if taken is not None:
             assert pf is not None and sums is not None and digest is not None
             await self._put_streamed(pf, entry, key, size, sums, digest, taken)
+        elif self.store.uploads_files and not (size <= SYMLINK_MAX and listing_misleads(meta)):
+            await self._put_file(pf, entry, key, meta, cond)
         elif size <= self.part_size:
             await self._put_whole(pf, entry, key, size, meta, cond)
         else:
@@ -340,6 +342,36 @@ class Uploader:
             await self.workers.disk(
                 partial(entry.set_state, "clean", etag=info.etag, mtime=info.mtime))
         return info
+
+    async def _put_file(
+        self, pf: PendingFile | None, entry: Entry, key: str, meta: dict[str, str],
+        cond: Condition,
+    ) -> None:
+        """The store's transfer engine reads the sealed cache file itself (parts in
+        parallel, checksummed, in its own threads: store/crt.py). Not cancelled
+        midway: a stop (`stop`) waits for it to end, as for a single PUT, since
+        a cancelled request's fate at the store is unknown (it may complete after
+        a rename's DELETE of the old name). A file with chunks not yet verified
+        against their checksums since this daemon started (one recovered after a
+        crash) is read back first, as the parts path reads it: the engine does not
+        check them, and damaged bytes are never uploaded (ChunkCorrupt)."""
+        if entry.unverified() and entry.size:
+            buf = await self.parts.take(min(self.part_size, entry.size))
+            try:
+                for off in range(0, entry.size, len(buf)):
+                    await self._read(entry, off, buf[: min(len(buf), entry.size - off)])
+            finally:
+                self.parts.give(buf)
+
+        def progress(n: int) -> None:  # from the engine's threads: a plain count
+            if pf is not None:
+                pf.uploaded += n
+
+        await self.workers.upload(partial(
+            self.store.put_file, key, str(entry.path), metadata=meta,
+            if_match=cond.if_match, if_none_match=cond.if_none_match, progress=progress))
+        if pf is not None:
+            self.journal.notify()
 
     async def _put_whole(
         self, pf: PendingFile | None, entry: Entry, key: str, size: int,

@@ -1,0 +1,235 @@
+"""The transfer engine (issue 34): tierfs through the AWS Common Runtime vs the
+bare runtime, boto3, and (with --botocore) the same mount on the fallback engine.
+
+Stages, each a median of --runs, all in one run against one SeaweedFS:
+  read1   cold `dd bs=1M` of a --size object (fresh tier 1, page cache dropped)
+          vs a bare awscrt GET of it into a local file (recv_filepath)
+  write1  `dd conv=fsync` of a --size file into the mount + `tierfs flush`
+          (until the object is in the bucket) vs a bare awscrt PUT of the file
+  read4   4 readers of 4 different cold --size objects at once vs 4 bare GETs at once
+  small   --files x 100 KiB cold, 8 readers (`xargs -P8 cat`) vs boto3 get_object
+          with 8 threads
+For tierfs, the daemon's CPU split by thread (/proc/PID/task/*/comm): "python"
+is every thread but the runtime's `AwsEventLoop...` ones ("runtime"), in
+seconds per GiB (per file for `small`). Machine load is printed beside it.
+
+Usage: python bench/engine.py [--size 1G] [--runs 3] [--files 10000] [--botocore]
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from awscrt import auth, http, s3
+from common import (
+    BUCKET,
+    Bench,
+    MiB,
+    drop_caches,
+    median,
+    parse_args,
+    report,
+    write_random_file,
+)
+
+from tierfs.store.crt import thread_cpu
+
+GiB = 1 << 30
+SMALL = 100 * 1024
+
+
+class Bare:
+    """A bare awscrt S3Client as a user would make one (the runtime's defaults, path-style)."""
+
+    def __init__(self, b: Bench) -> None:
+        env = b.server.env()
+        self.host = env["AWS_ENDPOINT_URL"].split("//", 1)[1]
+        creds = auth.AwsCredentialsProvider.new_static(env["AWS_ACCESS_KEY_ID"],
+                                                       env["AWS_SECRET_ACCESS_KEY"])
+        self.client = s3.S3Client(
+            region="us-east-1", tls_mode=s3.S3RequestTlsMode.DISABLED,
+            signing_config=s3.create_default_s3_signing_config(region="us-east-1",
+                                                               credential_provider=creds))
+
+    def _req(self, method: str, key: str, extra: list[tuple[str, str]]) -> http.HttpRequest:
+        return http.HttpRequest(method, f"/{BUCKET}/{key}",
+                                http.HttpHeaders([("Host", self.host), *extra]))
+
+    def get(self, keys: list[str], into: Path) -> float:
+        t = time.perf_counter()
+        reqs = [self.client.make_request(type=s3.S3RequestType.GET_OBJECT,
+                                         request=self._req("GET", k, []),
+                                         recv_filepath=str(into / f"bare-{i}"))
+                for i, k in enumerate(keys)]
+        for r in reqs:
+            r.finished_future.result()
+        return time.perf_counter() - t
+
+    def put(self, key: str, path: Path) -> float:
+        t = time.perf_counter()
+        self.client.make_request(
+            type=s3.S3RequestType.PUT_OBJECT, send_filepath=str(path),
+            request=self._req("PUT", key, [("Content-Length", str(path.stat().st_size))]),
+        ).finished_future.result()
+        return time.perf_counter() - t
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def split(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in ("python", "runtime")}
+
+
+def dd_read(paths: list[Path]) -> float:
+    t = time.perf_counter()
+    procs = [subprocess.Popen(["dd", f"if={p}", "of=/dev/null", "bs=1M"],
+                              stderr=subprocess.DEVNULL) for p in paths]
+    for p in procs:
+        if p.wait() != 0:
+            raise RuntimeError("dd failed")
+    return time.perf_counter() - t
+
+
+def seed_small(b: Bench, n: int) -> list[str]:
+    keys = [f"small/{i // 1000:02d}/{i:05d}.jpg" for i in range(n)]
+    body = os.urandom(SMALL)
+    with ThreadPoolExecutor(16) as ex:
+        list(ex.map(lambda k: b.client.put_object(Bucket=BUCKET, Key=k, Body=body), keys))
+    return keys
+
+
+def boto3_small(b: Bench, keys: list[str]) -> float:
+    local = threading.local()
+
+    def get(k: str) -> int:
+        if not hasattr(local, "c"):
+            local.c = b.server.client()
+        return len(local.c.get_object(Bucket=BUCKET, Key=k)["Body"].read())
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(8) as ex:
+        assert sum(ex.map(get, keys)) == len(keys) * SMALL
+    return time.perf_counter() - t
+
+
+def mount_small(mnt: Path, keys: list[str]) -> float:
+    listing = "\n".join(str(mnt / k) for k in keys).encode()
+    t = time.perf_counter()
+    subprocess.run(["xargs", "-P8", "-n50", "cat"], input=listing, stdout=subprocess.DEVNULL,
+                   check=True)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    def extra(p) -> None:  # type: ignore[no-untyped-def]
+        p.add_argument("--files", type=int, default=10_000)
+        p.add_argument("--botocore", action="store_true",
+                       help="also the same mount with [store] engine = \"botocore\"")
+        p.add_argument("--skip", default="", help="comma-separated stages to skip")
+
+    args = parse_args(__doc__.splitlines()[0], GiB, 3, extra)
+    skip = set(filter(None, args.skip.split(",")))
+    engines = ["crt", *(["botocore"] if args.botocore else [])]
+    with Bench(args, "engine") as b:
+        size = args.size
+        gib = size / GiB
+        src = b.work / "src.bin"
+        write_random_file(src, size)
+        big = [f"big/shard-{i}.tar" for i in range(4)]
+        for k in big if "read4" not in skip else big[:1]:
+            b.seed(k, src)
+        keys = seed_small(b, args.files) if "small" not in skip else []
+        bare = Bare(b)
+        confs = {}
+        for e in engines:
+            confs[e] = b.work / f"{e}.toml"
+            confs[e].write_text(f'[store]\nengine = "{e}"\n')
+        t: dict[str, list[float]] = {}
+        cpu: dict[str, list[dict[str, float]]] = {}
+
+        def rec(name: str, secs: float, use: dict[str, float] | None = None,
+                per: float = 1.0) -> None:
+            t.setdefault(name, []).append(secs)
+            if use is not None:
+                cpu.setdefault(name, []).append({k: v / per for k, v in use.items()})
+
+        out = b.work / "out"
+        out.mkdir()
+        for run in range(args.runs):
+            if "read1" not in skip:
+                drop_caches()
+                rec("bare_get_1", bare.get(big[:1], out))
+                for e in engines:
+                    m = b.mount(None, "--config", str(confs[e]))
+                    drop_caches()
+                    c0 = thread_cpu(m.pid)
+                    secs = dd_read([m.mountpoint / big[0]])
+                    rec(f"{e}_read_1", secs, split(c0, thread_cpu(m.pid)), gib)
+                    b.unmount(m)
+            if "write1" not in skip:
+                rec("bare_put_1", bare.put(f"bare/put-{run}", src))
+                for e in engines:
+                    m = b.mount(None, "--config", str(confs[e]))
+                    c0 = thread_cpu(m.pid)
+                    t0 = time.perf_counter()
+                    subprocess.run(["dd", f"if={src}", f"of={m.mountpoint / f'w/{e}-{run}.pt'}",
+                                    "bs=1M", "conv=fsync"], check=True, stderr=subprocess.DEVNULL,
+                                   env={**os.environ, "LC_ALL": "C"})
+                    dd = time.perf_counter() - t0
+                    b.flush(m)
+                    secs = time.perf_counter() - t0
+                    rec(f"{e}_write_1", secs, split(c0, thread_cpu(m.pid)), gib)
+                    rec(f"{e}_write_1_dd", dd)
+                    b.unmount(m)
+            if "read4" not in skip:
+                drop_caches()
+                rec("bare_get_4", bare.get(big, out))
+                for e in engines:
+                    m = b.mount(None, "--config", str(confs[e]))
+                    drop_caches()
+                    c0 = thread_cpu(m.pid)
+                    secs = dd_read([m.mountpoint / k for k in big])
+                    rec(f"{e}_read_4", secs, split(c0, thread_cpu(m.pid)), 4 * gib)
+                    b.unmount(m)
+            if "small" not in skip:
+                rec("boto3_small_8", boto3_small(b, keys))
+                for e in engines:
+                    m = b.mount(None, "--config", str(confs[e]))
+                    drop_caches()
+                    c0 = thread_cpu(m.pid)
+                    secs = mount_small(m.mountpoint, keys)
+                    rec(f"{e}_small_8", secs, split(c0, thread_cpu(m.pid)), len(keys) / 1000)
+                    b.unmount(m)
+            print(f"run {run} (load {load()}): "
+                  + ", ".join(f"{k}={v[-1]:.2f}s" for k, v in t.items()), flush=True)
+        med = {k: median(v) for k, v in t.items()}
+        cpu_med = {k: {n: median([u[n] for u in v]) for n in v[0]} for k, v in cpu.items()}
+        ratios: dict[str, float] = {}
+        for e in engines:
+            for stage, ref in (("read_1", "bare_get_1"), ("write_1", "bare_put_1"),
+                               ("read_4", "bare_get_4"), ("small_8", "boto3_small_8")):
+                if f"{e}_{stage}" in med and ref in med:
+                    ratios[f"{e}_{stage}_vs_{ref}"] = med[f"{e}_{stage}"] / med[ref]
+        b.result.update(seconds=t, seconds_median=med, ratios=ratios, cpu_median=cpu_med,
+                        cpu=cpu, files=len(keys), load_end=load())
+        print(f"engine bench, {size / MiB:.0f} MiB objects, {len(keys)} small files, "
+              f"median of {args.runs} (load now {load()}):")
+        report([(k, f"{v:8.2f} s") for k, v in med.items()])
+        print("time ratios (lower is faster; targets: read_1, write_1 <= 1.05; "
+              "read_4 <= 1/0.95; small <= 0.8):")
+        report([(k, f"{v:6.2f}") for k, v in ratios.items()])
+        print("daemon CPU, seconds per GiB (read/write) or ms per file (small): "
+              "python = every thread but AwsEventLoop*")
+        report([(k, ", ".join(f"{n} {x:.2f}" for n, x in v.items())) for k, v in cpu_med.items()])
+        b.save()
+
+
+if __name__ == "__main__":
+    main()
