@@ -179,7 +179,7 @@ def main() -> None:
                     m = b.mount(None, "--config", str(confs[e]))
                     c0 = thread_cpu(m.pid)
                     t0 = time.perf_counter()
-                    subprocess.run(["dd", f"if={src}", f"of={m.mountpoint / f'w/{e}-{run}.pt'}",
+                    subprocess.run(["dd", f"if={src}", f"of={m.mountpoint / f'w-{e}-{run}.pt'}",
                                     "bs=1M", "conv=fsync"], check=True, stderr=subprocess.DEVNULL,
                                    env={**os.environ, "LC_ALL": "C"})
                     dd = time.perf_counter() - t0
