@@ -51,12 +51,13 @@ from tierfs.ops import ControlOps, MountInfo
 from tierfs.policy import Policy
 from tierfs.posix import Defaults
 from tierfs.read.bodies import BODIES_MAX, Bodies
+from tierfs.read.enginesource import EngineSource
 from tierfs.read.fetcher import Fetcher, fetch_unit
 from tierfs.read.handles import ReadPath
 from tierfs.read.landed import LandedParts
 from tierfs.read.prefetch import WholePrefetch
 from tierfs.read.reader import SERVE_BUFFER, Reader
-from tierfs.read.sources import StoreSource
+from tierfs.read.sources import Source, StoreSource
 from tierfs.read.walkahead import WalkAhead
 from tierfs.read.walks import Walks
 from tierfs.read.waste import WasteCaps
@@ -64,6 +65,7 @@ from tierfs.sdnotify import notify
 from tierfs.sharedtier import SharedStore, SharedTier, origin_of
 from tierfs.store.base import Store, StoreError
 from tierfs.store.crt import transfer_status
+from tierfs.store.s3 import S3Store
 from tierfs.workers import Workers, tune_malloc
 from tierfs.writeback.barrier import Barrier
 from tierfs.writeback.core import WriteBack
@@ -135,8 +137,12 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
             budget=budget, meta=workers.meta, data=workers.data, upload=workers.upload)
         if shared is not None:
             metrics.add_live(shared.figures)
+        # The origin: through the transfer engine into tier 1 where the store has one.
+        origin: Source = (EngineSource(store, cache.chunk_size)
+                          if isinstance(store, S3Store) and store.engine is not None
+                          else StoreSource(store))
         fetcher = Fetcher(
-            [*([shared] if shared is not None else []), StoreSource(store)], workers, nursery, cache=cache, budget=budget, parts=parts,
+            [*([shared] if shared is not None else []), origin], workers, nursery, cache=cache, budget=budget, parts=parts,
             landed=LandedParts(parts, cfg.max_inflight_bytes),
             bodies=Bodies(budget, min(BODIES_MAX, cfg.memory_budget // 8)),
             waste=WasteCaps(cache.capacity),

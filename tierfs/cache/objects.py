@@ -770,6 +770,7 @@ class Entry:
             yield Fill(self, start, end)
         finally:
             self._end_store(lo, hi)
+        self._cache.make_room(self)  # as after store(): the cache may be over its size now
 
     def _commit_fill(self, start: int, end: int, digests: Sequence[bytes] | None) -> None:
         """(`Fill.commit`) record the chunks of [start, end) as present and verified."""

@@ -336,9 +336,30 @@ class S3Store:
             )
         return self._get(key, start, length, etag, lambda _size: buf)
 
+    def get_range_to_file(
+        self, key: str, start: int, length: int, fd: int, etag: str | None,
+        on_piece: Callable[[int, bytes], None],
+    ) -> Received:
+        """As get_range_into, but the runtime's body pieces are written into the file
+        `fd` at their object offsets, from the runtime's threads, and each is then
+        shown to `on_piece(object offset, piece)`. The crt engine only."""
+        if self.engine is None:
+            raise StoreError("get_range_to_file needs the crt engine", errno_=errno.EINVAL,
+                             kind="invalid")
+
+        def put(i: int, piece: bytes) -> None:
+            view = memoryview(piece)
+            pos = start + i
+            while view:
+                n = os.pwrite(fd, view, pos)
+                view, pos = view[n:], pos + n
+            on_piece(start + i, piece)
+
+        return self._get(key, start, length, etag, lambda _size: memoryview(b""), put)
+
     def _get(
         self, key: str, start: int, length: int, etag: str | None,
-        alloc: Callable[[int], memoryview],
+        alloc: Callable[[int], memoryview], put: Callable[[int, bytes], None] | None = None,
     ) -> Received:
         """Read [start, start+length) clipped at EOF into alloc(clipped length); the
         byte count, the ETag and the first answer's user metadata. Through the runtime (or botocore); a retry resumes after the
@@ -350,7 +371,7 @@ class S3Store:
         full = self._full(key)
         if length == 0:
             return Received(0, etag or "")
-        read = RangedGet(key, full, start, length, etag, alloc)
+        read = RangedGet(key, full, start, length, etag, alloc, put)
         engine = self.engine
         if engine is not None:
             attempt = partial(read.via_crt, engine)

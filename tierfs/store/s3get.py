@@ -47,7 +47,10 @@ class RangedGet:
     def __init__(
         self, key: str, full: str, start: int, length: int, etag: str | None,
         alloc: Callable[[int], memoryview],
+        put: Callable[[int, bytes], None] | None = None,
     ) -> None:
+        """`put(offset in the range, piece)`: where the runtime's body pieces go
+        instead of alloc()'s buffer (a file written at the object's offsets)."""
         self.key = key
         self.full = full
         self.start = start
@@ -56,6 +59,7 @@ class RangedGet:
         self.done = 0
         self.pinned = etag
         self.alloc = alloc
+        self.put = put
         self.metadata: dict[str, str] | None = None  # the first answer's user metadata
         self.target: memoryview | None = None
 
@@ -103,7 +107,10 @@ class RangedGet:
                 self._answer(size, h.get("content-range"), h.get("etag"), lambda: _metadata(h))
             assert self.target is not None
             i = base + offset - pos
-            self.target[i : i + len(piece)] = piece
+            if self.put is not None:
+                self.put(i, piece)
+            else:
+                self.target[i : i + len(piece)] = piece
             if offset - pos == got:  # pieces arrive in order: the received prefix grows
                 got += len(piece)
                 self.done = base + got
