@@ -51,6 +51,7 @@ def test_example_config_loads_and_means_what_it_says() -> None:
     assert {c.readahead_max for c in cfg.classes.values()} == {64 * MiB}
     assert cfg.metrics_addr == "127.0.0.1:9464"
     assert cfg.memory_budget == 256 * MiB and cfg.max_parallel_puts == 8
+    assert cfg.store_engine == "crt"
     assert math.isinf(cfg.classes["dataset"].list_ttl)
     assert [n for n, c in cfg.classes.items() if c.direct_writes] == ["checkpoint", "staged"]
     assert cfg.classes["manifest"] == replace(DEFAULT_CLASSES["manifest"], readahead_max=64 * MiB)
@@ -222,3 +223,13 @@ def test_owner_and_mode_defaults_from_flags_file_and_mount_options(tmp_path: Pat
                                "--file-mode", "8"], capture_output=True, text=True, timeout=60)
     assert bad_flag.returncode != 0
     assert "not an octal permission mode" in bad_flag.stderr and "Traceback" not in bad_flag.stderr
+
+
+def test_store_engine_key(tmp_path: Path) -> None:
+    ok = tmp_path / "ok.toml"
+    ok.write_text('source = "s3://bkt"\nmountpoint = "/mnt/x"\n[store]\nengine = "botocore"\n')
+    assert build_config(load_config_file(ok), None, None).store_engine == "botocore"
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[store]\nengine = "curl"\n')
+    with pytest.raises(ConfigError, match="store engine must be one of crt, botocore"):
+        load_config_file(bad)
