@@ -155,6 +155,15 @@ CHUNK_SIZE = 1 * MiB
 SHARED_BLOCK = PART_SIZE
 SHARED_LEASE = 30.0
 
+# Directories' attribute objects (namespace/dirattrs.py): this mount's changes of
+# one directory are written at most every DIR_ATTRS_DELAY seconds plus a second
+# per DIR_ATTRS_PER_SECOND entries the object holds (cp -a of 10,000 files
+# rewrites its directory's object a few dozen times, not 10,000); tables of at
+# most DIR_ATTRS_CACHED entries in all are held in memory.
+DIR_ATTRS_DELAY = 1.0
+DIR_ATTRS_PER_SECOND = 5000
+DIR_ATTRS_CACHED = 200_000
+
 # Uploads. A failed upload is retried with backoff up to this many seconds apart
 # (sooner once the store answers again); one that lands but does not verify is
 # retried this many times, then quarantined.

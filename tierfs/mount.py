@@ -206,6 +206,7 @@ async def serve(p: Prepared, on_ready: Callable[[list[str]], None]) -> None:
         nursery.start_soon(health.watch, partial(workers.meta, store.check))
         nursery.start_soon(kernel.run)
         nursery.start_soon(kept.run)
+        nursery.start_soon(ns.objects.run)
         nursery.start_soon(walk_ahead.run)
         nursery.start_soon(reads.run)
         await wb.recover()

@@ -148,10 +148,13 @@ class ControlOps:
         """The barrier over PREFIX: progress lines while it waits, then its outcome."""
         prefix = relpath(req.get("prefix", ""))
         stall = req.get("stall")
+        key = f"{prefix}/" if prefix and not await self._is_file(prefix) else prefix
         outcome = await self.wb.flush(
-            f"{prefix}/" if prefix and not await self._is_file(prefix) else prefix,
-            stall=float(stall) if stall is not None else None,
+            key, stall=float(stall) if stall is not None else None,
             progress=lambda p: emit({"event": "waiting", **p}))
+        # then what the uploads told the directories' attribute objects
+        await self.ns.settle(key if key.endswith("/") else key.rpartition("/")[0] + "/"
+                             if "/" in key else "")
         return {"flush": outcome.asdict(), "pending": self._pending_figures(prefix)}
 
     async def unmount(self, req: dict[str, Any], emit: Emit) -> dict[str, Any]:

@@ -11,11 +11,13 @@ The convention is s3fs's, the one most POSIX views of S3 read and write
     atime  seconds since the epoch: "1700000000" or "1700000000.123456789"
     mtime  (nine digits after the point whenever the nanoseconds are not 0;
     ctime   rclone writes mtime the same way)
+    rdev   a device node's device number, decimal (s3fs's name; only on devices)
 
-A symlink is an object whose body is its target; FIFOs and sockets are empty
-objects; each is typed by its `mode`. A directory's attributes go on its
-`dir/` marker object. Device nodes are never made (the mount is nodev); a
-stored one shows as a regular file, as does any type this mount does not know.
+A symlink is an object whose body is its target; FIFOs, sockets and device
+nodes are empty objects; each is typed by its `mode`. Device nodes are inert
+metadata: the mount is always nodev, so the kernel opens none of them. A
+directory's attributes go on its `dir/` marker object. Any type this mount
+does not know shows as a regular file.
 
 What is read is taken with care, because whoever can write the bucket writes
 it: a value that does not parse is ignored (the mount's defaults stand in),
@@ -34,8 +36,9 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 
 MODE, UID, GID, ATIME, MTIME, CTIME = "mode", "uid", "gid", "atime", "mtime", "ctime"
+RDEV = "rdev"
 LEGACY_MTIME = "tierfs-mtime"
-NAMES = (MODE, UID, GID, ATIME, MTIME, CTIME)
+NAMES = (MODE, UID, GID, ATIME, MTIME, CTIME, RDEV)
 
 # The largest symlink body: PATH_MAX (4096) less the terminating NUL. A bigger
 # object is never a symlink, and FIFOs and sockets are empty: only objects of at
@@ -43,12 +46,16 @@ NAMES = (MODE, UID, GID, ATIME, MTIME, CTIME)
 SYMLINK_MAX = 4095
 
 # File types an object can stand for (a directory is a prefix, never an object).
-OBJECT_TYPES = frozenset({stat.S_IFREG, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK})
+OBJECT_TYPES = frozenset({stat.S_IFREG, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK,
+                          stat.S_IFBLK, stat.S_IFCHR})
+DEVICES = frozenset({stat.S_IFBLK, stat.S_IFCHR})
+_MAX_RDEV = (1 << 64) - 1
 _NS = 1_000_000_000
 _MAX_ID = 0xFFFF_FFFE  # (uid_t)-1 means "no change" to chown(2): never an owner
 # A record kept in the tier-1 index (cache `attrs`): which version of the object
 # the attributes belong to (ETag, Last-Modified), the attributes, a symlink's target.
-_RECORD = struct.Struct("<qIIIqqqHH")
+# (A record of the earlier layout, without rdev, does not unpack: it is learned again.)
+_RECORD = struct.Struct("<qIIIqqqQHH")
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,7 @@ class Attrs:
     atime_ns: int
     mtime_ns: int
     ctime_ns: int
+    rdev: int = 0  # a device node's device number (st_rdev); 0 for everything else
 
     @property
     def kind(self) -> int:
@@ -115,14 +123,15 @@ def default_attrs(kind: int, defaults: Defaults, time_ns: int) -> Attrs:
     return Attrs(kind | perms, defaults.uid, defaults.gid, time_ns, time_ns, time_ns)
 
 
-def new_attrs(kind: int, perms: int, uid: int, gid: int, now_ns: int) -> Attrs:
-    """Attributes of a file, directory, symlink or FIFO made now by `uid`:`gid`."""
-    return Attrs(kind | (perms & 0o7777), uid, gid, now_ns, now_ns, now_ns)
+def new_attrs(kind: int, perms: int, uid: int, gid: int, now_ns: int, rdev: int = 0) -> Attrs:
+    """Attributes of a file, directory, symlink, FIFO or device made now by `uid`:`gid`."""
+    return Attrs(kind | (perms & 0o7777), uid, gid, now_ns, now_ns, now_ns,
+                 rdev if kind in DEVICES else 0)
 
 
 def to_metadata(attrs: Attrs) -> dict[str, str]:
     """The user metadata that stores `attrs`."""
-    return {
+    meta = {
         MODE: str(attrs.mode),
         UID: str(attrs.uid),
         GID: str(attrs.gid),
@@ -130,6 +139,9 @@ def to_metadata(attrs: Attrs) -> dict[str, str]:
         MTIME: format_time(attrs.mtime_ns),
         CTIME: format_time(attrs.ctime_ns),
     }
+    if attrs.kind in DEVICES:
+        meta[RDEV] = str(attrs.rdev)
+    return meta
 
 
 def upload_metadata(attrs: Attrs | None, mtime_ns: int) -> dict[str, str]:
@@ -183,6 +195,7 @@ def from_metadata(
     mtime = store_mtime_ns if mtime is None else mtime
     atime = parse_time(metadata.get(ATIME, ""))
     ctime = parse_time(metadata.get(CTIME, ""))
+    rdev = metadata.get(RDEV, "").strip()
     return Attrs(
         mode=kind | perms,
         uid=_parse_id(metadata.get(UID, ""), defaults.uid),
@@ -190,6 +203,7 @@ def from_metadata(
         atime_ns=mtime if atime is None else atime,
         mtime_ns=mtime,
         ctime_ns=mtime if ctime is None else ctime,
+        rdev=int(rdev) if kind in DEVICES and rdev.isdigit() and int(rdev) <= _MAX_RDEV else 0,
     )
 
 
@@ -271,17 +285,17 @@ class Known:
         k = (self.link or "").encode("utf-8", "surrogateescape")
         a = self.attrs
         return _RECORD.pack(self.version_ns, a.mode, a.uid, a.gid, a.atime_ns, a.mtime_ns,
-                            a.ctime_ns, len(e), len(k)) + e + k
+                            a.ctime_ns, a.rdev, len(e), len(k)) + e + k
 
     @classmethod
     def unpack(cls, raw: bytes) -> Known | None:
         """None for a record this version cannot read."""
         if len(raw) < _RECORD.size:
             return None
-        version, mode, uid, gid, at, mt, ct, el, kl = _RECORD.unpack_from(raw)
+        version, mode, uid, gid, at, mt, ct, rdev, el, kl = _RECORD.unpack_from(raw)
         o = _RECORD.size
         if len(raw) != o + el + kl:
             return None
         etag = raw[o : o + el].decode("utf-8", "surrogateescape")
         link = raw[o + el :].decode("utf-8", "surrogateescape") or None
-        return cls(etag, version, Attrs(mode, uid, gid, at, mt, ct), link)
+        return cls(etag, version, Attrs(mode, uid, gid, at, mt, ct, rdev), link)

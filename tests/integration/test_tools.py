@@ -66,8 +66,10 @@ def make_source(root: Path) -> Path:
     return src
 
 
-def tree(root: Path, *, with_atime: bool = False) -> dict[str, tuple[object, ...]]:
-    """Everything a tool is asked to keep, per relative path."""
+def tree(root: Path, *, with_atime: bool = False,
+         with_contents: bool = True) -> dict[str, tuple[object, ...]]:
+    """Everything a tool is asked to keep, per relative path (`with_contents`: and
+    each file's bytes; else what `ls -l` shows)."""
     out: dict[str, tuple[object, ...]] = {}
     for dirpath, dirs, files in os.walk(root):
         for name in dirs + files:
@@ -76,7 +78,7 @@ def tree(root: Path, *, with_atime: bool = False) -> dict[str, tuple[object, ...
             kind = stat.S_IFMT(st.st_mode)
             if kind == stat.S_IFLNK:
                 body: object = os.readlink(p)
-            elif kind == stat.S_IFREG:
+            elif kind == stat.S_IFREG and with_contents:
                 body = hashlib.sha256(p.read_bytes()).hexdigest()
             else:
                 body = None
@@ -231,3 +233,73 @@ def test_hugging_face_hub_cache_through_a_remount_and_a_second_mount(
         links = [p for p in (root / "hub").rglob("*") if p.is_symlink()]
         assert len(links) == len(files)
         assert all(stat.S_IMODE(p.lstat().st_mode) == 0o777 for p in links)
+
+
+def make_node_tree(root: Path) -> Path:
+    """The tree of issue 36: scripts, a 0600 key, files of uid 65534, a sticky 1777
+    directory, Hugging Face snapshot symlinks into blobs/, whole-second mtimes."""
+    src = root / "node-src"
+    for d in ("scripts", "keys", "nobody", "shared", "hub/blobs", "hub/snapshots/abc123/tok"):
+        (src / d).mkdir(parents=True)
+    (src / "scripts/run.sh").write_text("#!/bin/sh\necho ran\n")
+    (src / "scripts/env.sh").write_text("export X=1\n")
+    (src / "keys/id_ed25519").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    for i in range(3):
+        (src / f"nobody/n{i}.txt").write_text(f"{i}\n" * (i + 1))
+    (src / "shared/notes.md").write_text("# shared\n")
+    blobs = {"config.json": b'{"a": 1}\n', "tok/vocab.txt": b"a\nb\n", "w.bin": os.urandom(70_000)}
+    for name, data in blobs.items():
+        sha = hashlib.sha256(data).hexdigest()
+        (src / "hub/blobs" / sha).write_bytes(data)
+        depth = len(Path(name).parts) + 1
+        os.symlink("../" * depth + f"blobs/{sha}", src / "hub/snapshots/abc123" / name)
+    os.mkfifo(src / "shared/fifo", 0o600)
+    modes = {"scripts/run.sh": 0o755, "scripts/env.sh": 0o644, "keys/id_ed25519": 0o600,
+             "keys": 0o700, "shared": 0o1777, "nobody": 0o755, "shared/notes.md": 0o664}
+    for rel, mode in modes.items():
+        os.chmod(src / rel, mode)
+    for p in [*(src / "nobody").iterdir(), src / "nobody"]:
+        os.chown(p, 65534, 65534)
+    os.chown(src / "shared/notes.md", 1000, 1000)
+    for i, p in enumerate(sorted(src.rglob("*"), key=lambda p: -len(p.parts))):
+        t = 1_700_000_000 + 7 * i  # whole seconds
+        os.utime(p, (t, t), follow_symlinks=False)
+    return src
+
+
+def transfer(tool: str, src: Path, dst: Path, tmp: Path) -> None:
+    if tool == "cp":
+        sh("cp", "-a", src, dst)
+    elif tool == "rsync":
+        sh("rsync", "-a", f"{src}/", f"{dst}/")
+    else:
+        archive = tmp / "node-src.tar"
+        if not archive.exists():
+            sh("tar", "cpf", archive, "-C", src, ".")
+        dst.mkdir()
+        sh("tar", "xpf", archive, "-C", dst)
+
+
+@pytest.mark.parametrize("tool", ["cp", "rsync", "tar"])
+def test_what_a_tool_preserved_survives_a_new_node(
+    tool: str, mount_factory: MountFactory, bucket: str, tmp_path: Path
+) -> None:
+    """After a remount on an empty cache dir (a new node), every entry's type, mode,
+    owner, mtime, symlink target and bytes equal the local copy's, read from
+    listings and the directories' attribute objects; `rsync -a` of the same
+    source again from that node transfers nothing."""
+    src = make_node_tree(tmp_path)
+    m = mount_factory(f"s3://{bucket}", "--allow-other")
+    transfer(tool, src, m.mountpoint / "dst", tmp_path)
+    transfer(tool, src, tmp_path / "dst", tmp_path)
+    m.umount()
+    fresh = mount_factory(f"s3://{bucket}", "--allow-other", cache_dir=tmp_path / "empty-cache")
+    # before any read (config.json, a manifest-class name, is HEADed at each lookup)
+    assert tree(fresh.mountpoint / "dst", with_contents=False) == \
+        tree(tmp_path / "dst", with_contents=False)
+    # no file read: one GET per directory (its attribute object), the mount's root's too
+    dirs = sum(1 for p in (tmp_path / "dst").rglob("*") if p.is_dir() and not p.is_symlink())
+    assert fresh.status()["store"]["requests"]["get"]["ok"] == dirs + 2
+    assert_same_tree(fresh.mountpoint / "dst", tmp_path / "dst")  # and the bytes
+    stats = sh("rsync", "-a", "--stats", f"{src}/", f"{fresh.mountpoint / 'dst'}/")
+    assert "Number of regular files transferred: 0" in stats, stats

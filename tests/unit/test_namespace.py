@@ -21,7 +21,7 @@ from tierfs.health import StoreHealth
 from tierfs.kept_listings import KeptListings
 from tierfs.namespace import ROOT_INODE, Namespace, Node
 from tierfs.policy import Policy
-from tierfs.posix import Defaults, new_attrs, to_metadata
+from tierfs.posix import Attrs, Defaults, new_attrs, to_metadata
 from tierfs.store import LocalStore
 from tierfs.workers import Workers
 from tierfs.writeback.journal import Journal
@@ -207,3 +207,182 @@ def test_a_directory_of_samples_is_listed_once_across_a_remount(world: World) ->
     run(listed)
     # the root (no files: its own class) and code/ again; imgs/ from the index
     assert world.requests["list"] == 2
+
+
+# -- directories' attribute objects (namespace/dirattrs.py, attrobjects.py) -------------
+
+T0 = 1_700_000_000 * 10**9
+
+
+def attrs_for(kind: int, perms: int, uid: int, i: int = 0) -> Attrs:
+    return new_attrs(kind, perms, uid, uid + 1, T0 + i * 10**9)
+
+
+async def copy_in(w: World, files: dict[str, Attrs], dirs: dict[str, Attrs]) -> None:
+    """What `cp -a` makes the namespace do: mkdir, files uploaded with their
+    attributes, symlinks stored at once, the directories' times set last."""
+    for path, a in sorted(dirs.items()):
+        parent = await w.path(path.rpartition("/")[0]) if "/" in path else w.ns.get(ROOT_INODE)
+        await w.ns.readdir(parent.inode)
+        w.store.put_bytes(f"{path}/", b"", metadata=to_metadata(a))
+        w.ns.add(parent.inode, path.rpartition("/")[2], is_dir=True, attrs=a)
+    for path, a in files.items():
+        parent = await w.path(path.rpartition("/")[0])
+        name = path.rpartition("/")[2]
+        if a.kind == stat.S_IFLNK:
+            info = w.store.put_bytes(path, b"../target", metadata=to_metadata(a), typed=True)
+            w.ns.add(parent.inode, name, is_dir=False, attrs=a, size=9, etag=info.etag,
+                     link="../target", stored_at=info.mtime)
+        else:
+            info = w.store.put_bytes(path, path.encode(), metadata=to_metadata(a))
+            await w.ns.uploaded(path, info)
+    await w.ns.settle("")
+
+
+def shown(w: World, node: Node) -> tuple[int, int, int, int]:
+    a = w.ns.stat(node)[0]
+    return a.mode, a.uid, a.gid, a.mtime_ns
+
+
+TREE_DIRS = {"t": attrs_for(stat.S_IFDIR, 0o1777, 0, 50),
+             "t/keys": attrs_for(stat.S_IFDIR, 0o700, 65534, 51)}
+TREE_FILES = {"t/run.sh": attrs_for(stat.S_IFREG, 0o755, 0, 1),
+              "t/keys/id": attrs_for(stat.S_IFREG, 0o600, 65534, 2),
+              "t/plain.txt": attrs_for(stat.S_IFREG, 0o644, 1000, 3),
+              "t/link": attrs_for(stat.S_IFLNK, 0o777, 1000, 4)}
+
+
+def test_another_node_lists_what_cp_a_kept_without_a_head(world: World, tmp_path: Path) -> None:
+    run(lambda: copy_in(world, TREE_FILES, TREE_DIRS))
+    assert not (world.root / "t" / ".tierfs.attrs.json").is_symlink()
+    other = World(world.root, tmp_path / "other-cache")  # a node with nothing cached
+
+    async def look() -> None:
+        t = await other.path("t")
+        entries = dict(await other.ns.readdir(t.inode))
+        assert sorted(entries) == ["keys", "link", "plain.txt", "run.sh"]  # no attribute object
+        for path, a in {**TREE_FILES, **TREE_DIRS}.items():
+            node = await other.path(path)
+            assert shown(other, node) == (a.mode, a.uid, a.gid, a.mtime_ns), path
+        assert await other.ns.readlink(await other.path("t/link")) == "../target"
+        assert other.requests["head"] == 0
+        assert other.requests["get"] == 3  # the attribute objects of /, t/, t/keys/: once each
+
+    run(look)
+    for c in other.caches:
+        c.close()
+
+
+def test_a_replaced_object_shows_its_own_attributes(world: World, tmp_path: Path) -> None:
+    run(lambda: copy_in(world, TREE_FILES, TREE_DIRS))
+    world.store.put_bytes("t/run.sh", b"#!/bin/sh\nexit 1\n")  # another tool, no metadata
+    other = World(world.root, tmp_path / "other-cache")
+
+    async def look() -> None:
+        t = await other.path("t")
+        entries = dict(await other.ns.readdir(t.inode))
+        a = other.ns.stat(entries["run.sh"])[0]
+        assert stat.S_IMODE(a.mode) == 0o644 and a.uid == 1234  # the defaults, not 0755 root
+        assert other.requests["head"] == 1  # the stale entry was asked about, the rest not
+
+    run(look)
+    for c in other.caches:
+        c.close()
+
+
+def test_an_object_newer_than_its_directorys_table_is_asked(world: World, tmp_path: Path) -> None:
+    """A crash between an upload and its entry: the object's metadata is the truth."""
+    run(lambda: copy_in(world, TREE_FILES, TREE_DIRS))
+    late = attrs_for(stat.S_IFREG, 0o640, 7, 9)
+    world.store.put_bytes("t/late.dat", b"x" * 5000, metadata=to_metadata(late))
+    other = World(world.root, tmp_path / "other-cache")
+
+    async def look() -> None:
+        node = await other.path("t/late.dat")
+        assert shown(other, node) == (late.mode, 7, 8, late.mtime_ns)
+        assert other.requests["head"] == 1
+
+    run(look)
+    for c in other.caches:
+        c.close()
+
+
+def test_changes_are_coalesced_into_one_put_per_directory(world: World) -> None:
+    async def main() -> None:
+        await world.ns.readdir(ROOT_INODE)
+        world.ns.add(ROOT_INODE, "many", is_dir=True, attrs=attrs_for(stat.S_IFDIR, 0o755, 0))
+        before = world.requests["put"]
+        for i in range(300):
+            a = attrs_for(stat.S_IFREG, 0o600, 0, i)
+            info = world.store.put_bytes(f"many/f{i:03d}", b"x", metadata=to_metadata(a))
+            await world.ns.uploaded(info.key, info)
+        assert world.requests["put"] - before == 300  # nothing written for them yet
+        await world.ns.settle("")
+        assert world.requests["put"] - before == 300 + 2  # many/'s object, and the root's
+
+    run(main)
+
+
+def test_two_nodes_writing_one_directory_keep_both_entries(world: World, tmp_path: Path) -> None:
+    other = World(world.root, tmp_path / "other-cache")
+
+    async def node(w: World, name: str, a: Attrs) -> None:
+        d = await w.path("shared")
+        await w.ns.readdir(d.inode)
+        info = w.store.put_bytes(f"shared/{name}", b"x", metadata=to_metadata(a))
+        await w.ns.uploaded(info.key, info)
+
+    async def main() -> None:
+        world.put("shared/seed")
+        mine, theirs = attrs_for(stat.S_IFREG, 0o600, 1), attrs_for(stat.S_IFREG, 0o751, 2)
+        await node(world, "mine", mine)
+        await node(other, "theirs", theirs)
+        await world.ns.settle("")  # creates the object (If-None-Match: *)
+        await other.ns.settle("")  # 412: read it again, put both
+        third = World(world.root, tmp_path / "third-cache")
+        for name, a in (("mine", mine), ("theirs", theirs)):
+            assert shown(third, await third.path(f"shared/{name}"))[:2] == (a.mode, a.uid)
+        assert third.requests["head"] == 0
+        for c in third.caches:
+            c.close()
+
+    run(main)
+    for c in other.caches:
+        c.close()
+
+
+def test_rmdir_takes_the_attribute_object_along(world: World) -> None:
+    run(lambda: copy_in(world, {"t/keys/id": TREE_FILES["t/keys/id"]}, TREE_DIRS))
+    assert (world.root / "t/keys/.tierfs.attrs.json").exists()
+
+    async def main() -> None:
+        keys = await world.path("t/keys")
+        world.store.delete("t/keys/id")
+        world.ns.remove(keys.inode, "id")
+        world.ns.expire_listing(keys)
+        assert await world.ns.readdir(keys.inode) == []  # empty, for rmdir
+        await world.ns.removing_dir(keys)
+        world.store.delete("t/keys/")
+        t = await world.path("t")
+        world.ns.remove(t.inode, "keys")
+        world.ns.expire_listing(t)
+        assert [n for n, _ in await world.ns.readdir(t.inode)] == []
+        with pytest.raises(OSError) as reserved:
+            world.ns.check_new(t.inode, ".tierfs.attrs.json", is_dir=False)
+        assert reserved.value.errno == errno.EPERM
+
+    run(main)
+    assert not (world.root / "t/keys").exists()
+
+
+def test_an_unreadable_attribute_object_is_ignored(world: World) -> None:
+    world.put("d/a.txt", b"a")
+    world.put("d/.tierfs.attrs.json", b'{"not": "ours"}')
+
+    async def main() -> None:
+        d = await world.path("d")
+        entries = await world.ns.readdir(d.inode)
+        assert [n for n, _ in entries] == ["a.txt"]
+        assert world.ns.stat(entries[0][1])[0].uid == 1234
+
+    run(main)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import stat
 
 import pytest
@@ -14,6 +15,8 @@ from tierfs.posix import (
     format_time,
     from_metadata,
     has_attrs,
+    listing_misleads,
+    new_attrs,
     parse_mode,
     parse_time,
     to_metadata,
@@ -53,11 +56,26 @@ def test_nothing_known_takes_the_defaults_and_last_modified() -> None:
     assert from_metadata({}, is_dir=True, defaults=D, store_mtime_ns=LM).mode == stat.S_IFDIR | 0o750
 
 
-def test_unknown_or_device_types_show_as_regular_files() -> None:
-    for kind in (stat.S_IFCHR, stat.S_IFBLK, stat.S_IFDIR):
+def test_unknown_types_show_as_regular_files() -> None:
+    for kind in (stat.S_IFDIR, 0o170000):
         got = from_metadata({"mode": str(kind | 0o4755)}, is_dir=False, defaults=D,
                             store_mtime_ns=LM)
         assert got.mode == stat.S_IFREG | 0o4755
+
+
+def test_device_nodes_keep_their_number() -> None:
+    """mknod b/c: the type and st_rdev (s3fs's `rdev`), inert on the nodev mount."""
+    for kind in (stat.S_IFCHR, stat.S_IFBLK):
+        a = new_attrs(kind, 0o640, 0, 6, LM, rdev=os.makedev(8, 1))
+        meta = to_metadata(a)
+        assert meta["rdev"] == str(os.makedev(8, 1))
+        assert from_metadata(meta, is_dir=False, defaults=D, store_mtime_ns=0) == a
+        assert Known.unpack(Known("e", 0, a).pack()) == Known("e", 0, a)
+        assert listing_misleads(meta)
+    # no rdev on other types, and a bad one is 0
+    assert "rdev" not in to_metadata(new_attrs(stat.S_IFIFO, 0o644, 0, 0, LM, rdev=5))
+    bad = {"mode": str(stat.S_IFCHR | 0o600), "rdev": "-1"}
+    assert from_metadata(bad, is_dir=False, defaults=D, store_mtime_ns=LM).rdev == 0
 
 
 def test_bad_values_fall_back_one_by_one() -> None:

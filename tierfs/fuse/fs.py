@@ -201,7 +201,7 @@ class TierFS(pyfuse3.Operations):
     @fuse_errors
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        node = await self.tree.mknod(parent_inode, _name(name), mode, caller(ctx))
+        node = await self.tree.mknod(parent_inode, _name(name), mode, rdev, caller(ctx))
         self.metrics.meta_op("mknod")
         return self.attrs(node)
 

@@ -19,6 +19,7 @@ def entry_attributes(ns: Namespace, node: Node) -> pyfuse3.EntryAttributes:
     a.st_ino = node.inode
     a.generation = 0
     a.st_mode = p.mode
+    a.st_rdev = p.rdev
     a.st_nlink = ns.nlink(node)
     a.st_uid, a.st_gid = p.uid, p.gid
     a.st_size = size

@@ -18,7 +18,7 @@ from functools import partial
 import pyfuse3
 
 from tierfs.namespace import Namespace, Node, join
-from tierfs.posix import SYMLINK_MAX, Attrs, new_attrs
+from tierfs.posix import OBJECT_TYPES, SYMLINK_MAX, Attrs, new_attrs
 from tierfs.store.base import StoreError
 from tierfs.writeback.core import WriteBack
 from tierfs.writeback.session import WriteSession
@@ -49,7 +49,8 @@ class TreeChanges:
         self.ns = ns
         self.wb = wb
 
-    def _new_attrs(self, parent_inode: int, kind: int, perms: int, who: Caller) -> Attrs:
+    def _new_attrs(self, parent_inode: int, kind: int, perms: int, who: Caller,
+                   rdev: int = 0) -> Attrs:
         """A new entry's attributes: the caller's, but a setgid directory's group (and,
         for a directory, its setgid bit), as on a local filesystem."""
         parent, _ = self.ns.stat(self.ns.get(parent_inode))
@@ -58,7 +59,7 @@ class TreeChanges:
             gid = parent.gid
             if kind == stat.S_IFDIR:
                 perms |= stat.S_ISGID
-        return new_attrs(kind, perms, who.uid, gid, time.time_ns())
+        return new_attrs(kind, perms, who.uid, gid, time.time_ns(), rdev)
 
     async def create(self, parent_inode: int, name: str, flags: int, perms: int,
                      who: Caller) -> tuple[Node, WriteSession]:
@@ -75,13 +76,15 @@ class TreeChanges:
         await self.ns.remember()
         return node, session
 
-    async def mknod(self, parent_inode: int, name: str, mode: int, who: Caller) -> Node:
-        """FIFOs, sockets and empty regular files; device nodes are refused (nodev)."""
+    async def mknod(self, parent_inode: int, name: str, mode: int, rdev: int,
+                    who: Caller) -> Node:
+        """FIFOs, sockets, device nodes (inert metadata: the mount is nodev, so the
+        kernel opens none) and empty regular files: empty objects typed by metadata."""
         kind = stat.S_IFMT(mode) or stat.S_IFREG
-        if kind not in (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFREG):
-            raise OSError(errno.EPERM, "device nodes are not supported (the mount is nodev)")
+        if kind not in OBJECT_TYPES or kind == stat.S_IFLNK:
+            raise OSError(errno.EINVAL, "not a type mknod makes")
         return await self._special(parent_inode, name, b"",
-                                   self._new_attrs(parent_inode, kind, mode, who))
+                                   self._new_attrs(parent_inode, kind, mode, who, rdev))
 
     async def symlink(self, parent_inode: int, name: str, target: str, who: Caller) -> Node:
         body = target.encode("utf-8", "surrogateescape")
@@ -98,7 +101,7 @@ class TreeChanges:
         parent = self.ns.get(parent_inode)
         info = await self.wb.put_special(join(parent.path, name), body, attrs)
         node = self.ns.add(parent_inode, name, is_dir=False, attrs=attrs, size=len(body),
-                           etag=info.etag, link=link)
+                           etag=info.etag, link=link, stored_at=info.mtime)
         await self.ns.remember()
         return node
 
@@ -138,8 +141,8 @@ class TreeChanges:
             current = await self.ns.refresh(node.key)
             info = await self.wb.set_attrs(node.key, current.etag, new)
             node = self.ns.current(node)
-        if not node.is_dir and info is not None and info.etag != node.etag:
-            self.ns.set_attrs(node, new, etag=info.etag)
+        if not node.is_dir and info is not None:  # stored: its (maybe new) version
+            self.ns.set_attrs(node, new, etag=info.etag, stored_at=info.mtime)
         else:
             self.ns.set_attrs(node, new)
         if node.is_dir:
@@ -171,6 +174,7 @@ class TreeChanges:
         if not node.is_dir:
             raise OSError(errno.ENOTDIR, "not a directory")
         await self._ensure_empty(node)
+        await self.ns.removing_dir(node)
         await self.wb.remove_dir(node.key)
         self.ns.remove(parent_inode, name)
         await self.ns.remember()
@@ -192,6 +196,7 @@ class TreeChanges:
                 raise OSError(errno.ENOTDIR, "not a directory")
             if dst.is_dir:
                 await self._ensure_empty(dst)
+                await self.ns.removing_dir(dst)
                 await self.wb.remove_dir(dst.key)
             else:
                 self.ns.unlinking(dst)
@@ -200,6 +205,7 @@ class TreeChanges:
         # the new name (writeback/core.py).
         moved = partial(self.ns.move, parent_old, old, parent_new, new)
         if src.is_dir:
+            await self.ns.moving_dir(src, f"{target}/")
             copied = await self.wb.rename_tree(src.key, f"{target}/", moved)
         elif (self.ns.policy.settings(target).write_mode == "publish"
               and self.ns.stat(src)[0].kind == stat.S_IFREG):  # `ln -sfn`: a symlink moves

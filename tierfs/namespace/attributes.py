@@ -99,24 +99,32 @@ class Attributes:
         """Keep `record` for `key` in the index (None: drop what is kept)."""
         self._remember[key] = None if record is None else record.pack()
 
-    def apply_info(self, node: Node, info: ObjectInfo, now: float, *, headed: bool = False,
-                   known: Known | None = None) -> Node:
-        """Record an object's attributes. An object replaced in the store by someone
-        else gets a new inode, like a file replaced by rename on a local disk: with
-        the kernel's write-back cache on, the kernel trusts its own cached size of
-        an inode over ours, so the old inode could never show the new size. Handles
-        open on the old inode keep reading the old version; its pages are dropped."""
+    def from_head(self, info: ObjectInfo) -> Attrs:
+        """The attributes a HEAD's (or GET's) metadata gives the version `info`."""
+        return from_metadata(info.metadata, is_dir=False, defaults=self.defaults,
+                             store_mtime_ns=int(info.mtime * 1e9))
+
+    def apply_info(self, node: Node, info: ObjectInfo, now: float, *,
+                   stored: Attrs | None = None, link: str | None = None,
+                   known: Known | None = None, unknown_only: bool = False) -> Node:
+        """Record an object's attributes: `stored`, the store's word on this version
+        (a HEAD's metadata; its directory's attribute object's entry, which only
+        fills what is not known yet: `unknown_only`, as a listing may be older than
+        this mount's own change), with a symlink's target if it tells it; else
+        `known`, what the index kept of it, if nothing is known yet. An object replaced in the store by someone else gets a new
+        inode, like a file replaced by rename on a local disk: with the kernel's
+        write-back cache on, the kernel trusts its own cached size of an inode over
+        ours, so the old inode could never show the new size. Handles open on the
+        old inode keep reading the old version; its pages are dropped."""
         fresh = False
         if node.etag and node.etag != info.etag:
             self.on_changed(node.inode)
             node, fresh = self.table.renode(node), True
-        if headed:  # the store's word on the version: its metadata, or nothing (defaults)
-            attrs = from_metadata(info.metadata, is_dir=False, defaults=self.defaults,
-                                  store_mtime_ns=int(info.mtime * 1e9))
-            if not fresh and node.attrs is None and node.etag and not self._shown_as(node, attrs):
+        if stored is not None and (node.attrs is None or not unknown_only):
+            if not fresh and node.attrs is None and node.etag and not self._shown_as(node, stored):
                 node = self.table.renode(node)
-            if attrs != node.attrs:
-                node.attrs, node.link = attrs, None
+            if stored != node.attrs or (link is not None and link != node.link):
+                node.attrs, node.link = stored, link
                 self.note(node)
         elif known is not None and node.attrs is None and known.etag == info.etag:
             node.attrs, node.link = known.attrs, known.link

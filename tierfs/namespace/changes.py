@@ -1,7 +1,7 @@
 """Changes made through this mount: entries added, removed, moved, and files
 that landed in the store or lost their local bytes. Each keeps the inode
-table, the attribute knowledge and the kept listings consistent with what
-this mount did."""
+table, the attribute knowledge, the kept listings and the directories'
+attribute objects (dirattrs.py) consistent with what this mount did."""
 
 from __future__ import annotations
 
@@ -13,18 +13,21 @@ from dataclasses import replace
 
 from tierfs.health import StoreHealth
 from tierfs.kept_listings import KeptListings
+from tierfs.namespace import dirattrs
 from tierfs.namespace.attributes import Attributes
+from tierfs.namespace.attrobjects import AttrObjects
 from tierfs.namespace.nodes import LocalOverlay, Node, NodeTable, bad_name_errno, join, valid_name
-from tierfs.posix import Attrs, Known, from_metadata, has_attrs
+from tierfs.posix import Attrs, Known, from_metadata, has_attrs, to_metadata
 from tierfs.store.base import ObjectInfo, Store
 
 
 class Changes:
-    def __init__(self, table: NodeTable, attrs: Attributes, store: Store, health: StoreHealth,
-                 kept: KeptListings, overlay: LocalOverlay, *,
+    def __init__(self, table: NodeTable, attrs: Attributes, objects: AttrObjects, store: Store,
+                 health: StoreHealth, kept: KeptListings, overlay: LocalOverlay, *,
                  on_changed: Callable[[int], None], on_gone: Callable[[int, str], None]) -> None:
         self.table = table
         self.attrs = attrs
+        self.objects = objects
         self.store = store
         self.health = health
         self.kept = kept
@@ -38,12 +41,15 @@ class Changes:
         parent = self.table.get(parent_inode)
         if not valid_name(name):
             raise OSError(bad_name_errno(name, errno.EINVAL), "invalid name")
+        if name == dirattrs.NAME:
+            raise OSError(errno.EPERM, f"{name}: the name of a directory's attribute object")
         key = join(parent.path, name) + ("/" if is_dir else "")
         self.store.check_key(key)
 
     def add(self, parent_inode: int, name: str, *, is_dir: bool, attrs: Attrs, size: int = 0,
-            etag: str = "", link: str | None = None) -> Node:
-        """Record a file, directory, symlink or FIFO this mount created."""
+            etag: str = "", link: str | None = None, stored_at: float | None = None) -> Node:
+        """Record a file, directory, symlink, FIFO or device this mount created
+        (`etag`, `stored_at`: the object it stored, and the store's time of it)."""
         parent = self.table.get(parent_inode)
         if not valid_name(name):
             raise OSError(bad_name_errno(name, errno.EINVAL), "invalid name")
@@ -62,7 +68,28 @@ class Changes:
             self.kept.changed(node.key)  # a listing kept from an earlier directory of that name
         node.lookups += 1
         self.attrs.touch_dir(parent)
+        if is_dir:
+            self.objects.created(node.key)
+            self.objects.change(parent.key, f"{name}/", dirattrs.dir_entry(attrs))
+        elif etag and stored_at is not None:
+            self.objects.change(parent.key, name, dirattrs.file_entry(
+                etag, stored_at, to_metadata(attrs), link))
         return node
+
+    def set_attrs(self, node: Node, attrs: Attrs, *, etag: str | None = None,
+                  stored_at: float | None = None) -> None:
+        """chmod, chown, utimens: stored on a directory's marker, or on the object
+        (its version `etag` stored at `stored_at`; None: kept here until its upload)."""
+        self.attrs.set(node, attrs, etag=etag)
+        parent = self.table.parent_of(node.path) if node.path else None
+        if parent is None or not self.table.linked(node):
+            return
+        name = node.path.rpartition("/")[2]
+        if node.is_dir:
+            self.objects.change(parent.key, f"{name}/", dirattrs.dir_entry(attrs))
+        elif stored_at is not None and node.etag:
+            self.objects.change(parent.key, name, dirattrs.file_entry(
+                node.etag, stored_at, to_metadata(attrs), node.link))
 
     def remove(self, parent_inode: int, name: str) -> None:
         parent = self.table.get(parent_inode)
@@ -77,6 +104,7 @@ class Changes:
                 gone.attrs = replace(gone.attrs, ctime_ns=time.time_ns())
             self.table.unname(path)
             self.attrs.note_record(gone.key, None)
+            self.objects.change(parent.key, f"{name}/" if gone.is_dir else name, None)
         self.attrs.touch_dir(parent)
         if gone is not None and gone.is_dir:  # a file has nothing below it
             self.kept.changed(f"{path}/")
@@ -130,12 +158,33 @@ class Changes:
             self.attrs.note(node)
         if dst.children is not None:
             dst.children[new_name] = top.inode
+        # A file's new entry comes with its object (`uploaded`: a copy, or its upload)
+        self.objects.change(src.key, f"{old_name}/" if top.is_dir else old_name, None)
+        if top.is_dir and top.attrs is not None:
+            self.objects.change(dst.key, f"{new_name}/", dirattrs.dir_entry(top.attrs))
 
     def uploaded(self, key: str, info: ObjectInfo) -> None:
         """A local file landed in the store (or an object was copied): take its store
         attributes quietly (and show its name, if a cached listing of its directory
         lacks it: a file put back from quarantine). `info.metadata` is the object's."""
-        self.kept.changed(key.rpartition("/")[0] + "/" if "/" in key else "")
+        prefix, _, name = key.rpartition("/")
+        prefix = f"{prefix}/" if prefix else ""
+        if name == dirattrs.NAME:  # a directory rename's copy of an attribute object
+            self.objects.copied(prefix, info)
+            return
+        self.kept.changed(prefix)
+        self._took(key, info)
+        node = self.table.at(key)
+        if not has_attrs(info.metadata):
+            self.objects.change(prefix, name, None)
+        elif node is not None and node.attrs is not None:
+            self.objects.change(prefix, name, dirattrs.file_entry(
+                info.etag, info.mtime, to_metadata(node.attrs), node.link))
+        else:
+            self.objects.change(prefix, name, dirattrs.file_entry(info.etag, info.mtime,
+                                                                  info.metadata))
+
+    def _took(self, key: str, info: ObjectInfo) -> None:
         node = self.table.at(key)
         if node is not None:
             node.size, node.mtime, node.etag = info.size, info.mtime, info.etag
@@ -151,16 +200,15 @@ class Changes:
         parent = self.table.parent_of(key)
         name = key.rpartition("/")[2]
         if parent is not None and parent.is_dir and parent.children is not None and valid_name(name):
+            head = self.attrs.from_head(info) if has_attrs(info.metadata) else None
             node = self.attrs.apply_info(self.table.node_for(key, False), info, time.monotonic(),
-                                         headed=has_attrs(info.metadata))
+                                         stored=head)
             parent.children[name] = node.inode
         elif has_attrs(info.metadata):
             # No node shows it yet (a directory rename's copy of a file below it that
             # this mount never looked up): kept for the listing that will show it,
             # which a small object's plain ETag would otherwise leave at the defaults.
-            attrs = from_metadata(info.metadata, is_dir=False, defaults=self.attrs.defaults,
-                                  store_mtime_ns=int(info.mtime * 1e9))
-            self.attrs.note_record(key, Known(info.etag, 0, attrs, None))
+            self.attrs.note_record(key, Known(info.etag, 0, self.attrs.from_head(info), None))
 
     def local_dropped(self, key: str) -> None:
         """A file's local bytes are gone (never acknowledged, or refused): what the

@@ -24,9 +24,11 @@ from tierfs.cache import Cache
 from tierfs.config import DEGRADED_RETRY, ClassSettings
 from tierfs.health import StoreHealth
 from tierfs.kept_listings import KeptListings, kept_ttl, listing_settings
+from tierfs.namespace import dirattrs
 from tierfs.namespace.attributes import Attributes
+from tierfs.namespace.attrobjects import AttrObjects
 from tierfs.namespace.nodes import LocalOverlay, Node, NodeTable, join, valid_name
-from tierfs.posix import Known
+from tierfs.posix import Known, from_metadata
 from tierfs.store.base import UNREACHABLE_KINDS, Listing, ObjectInfo, Store, StoreError
 from tierfs.workers import Workers
 
@@ -40,11 +42,12 @@ class _Pending:
 
 
 class Listings:
-    def __init__(self, table: NodeTable, attrs: Attributes, store: Store, cache: Cache,
-                 workers: Workers, health: StoreHealth, kept: KeptListings,
+    def __init__(self, table: NodeTable, attrs: Attributes, objects: AttrObjects, store: Store,
+                 cache: Cache, workers: Workers, health: StoreHealth, kept: KeptListings,
                  overlay: LocalOverlay) -> None:
         self.table = table
         self.attrs = attrs
+        self.objects = objects
         self.store = store
         self.cache = cache
         self.workers = workers
@@ -137,10 +140,7 @@ class Listings:
                 generation = self.kept.generation(node.key)
                 listed_at = time.time()
                 listing, complete = await self._fetch(node)
-            known = await self.attrs.known([
-                *(i.key for i in listing.files if self._unknown(i)),
-                *(f"{node.key}{d}/" for d in listing.dirs if self._unknown_dir(node, d))])
-            self.install(node, listing, complete, known, taken=taken)
+            await self._take(node, listing, complete, taken)
             if kept is None and complete:
                 ttl = kept_ttl(self.list_settings(node.settings, listing))
                 await self.kept.keep(node.key, listing, listed_at, ttl, generation)
@@ -150,6 +150,22 @@ class Listings:
         finally:
             del self._listing[node.inode]
             pending.done.set()
+
+    async def _take(self, node: Node, listing: Listing, complete: bool,
+                    taken: float | None) -> None:
+        """Install a listing, with what its directory's attribute object and the
+        index tell of its entries."""
+        listing, table_info = dirattrs.split(node.key, listing)
+        table = None
+        if complete:
+            self.objects.listed(node.key, table_info)
+            if table_info is not None:
+                table = await self.objects.table(node.key, table_info)
+        known = await self.attrs.known([
+            *(i.key for i in listing.files if self._unknown(i, table)),
+            *(f"{node.key}{d}/" for d in listing.dirs if self._unknown_dir(node, d))])
+        self.install(node, listing, complete, known, taken=taken, table=table,
+                     table_info=table_info)
 
     async def _kept(self, prefix: str, own: ClassSettings) -> tuple[Listing, float] | None:
         """The listing kept for `prefix` if it is younger than the listing TTL of the
@@ -164,9 +180,14 @@ class Listings:
 
     def list_settings(self, own: ClassSettings, listing: Listing) -> ClassSettings:
         """The class whose listing TTL a directory of class `own` with `listing` follows."""
-        return listing_settings(own, (self.table.policy.settings(f.key) for f in listing.files))
+        return listing_settings(own, (self.table.policy.settings(f.key) for f in listing.files
+                                      if not f.key.endswith(dirattrs.NAME)))
 
-    def _unknown(self, info: ObjectInfo) -> bool:
+    def _unknown(self, info: ObjectInfo, table: dirattrs.Table | None) -> bool:
+        """Whether the index may know more of `info` than this mount and `table` do."""
+        entry = table.file(info.key.rpartition("/")[2]) if table is not None else None
+        if entry is not None and dirattrs.describes(entry, info):
+            return False
         n = self.table.at(info.key)
         return n is None or n.attrs is None or n.etag != info.etag
 
@@ -175,12 +196,16 @@ class Listings:
         return n is None or n.attrs is None
 
     def install(self, node: Node, listing: Listing, complete: bool = True,
-                known: Mapping[str, Known] | None = None, taken: float | None = None) -> None:
+                known: Mapping[str, Known] | None = None, taken: float | None = None,
+                table: dirattrs.Table | None = None,
+                table_info: ObjectInfo | None = None) -> None:
         """Take a listing. An incomplete one (the index's, the store being away)
         adds to what this mount knew of the directory; if that is nothing at all,
         the directory's entries are unknown: EIO, not an empty directory.
         `taken`: when it was listed (monotonic; a kept listing is older than now):
-        it and its entries' attributes expire that long after."""
+        it and its entries' attributes expire that long after. `table`: the
+        directory's attribute object (`table_info`: as listed), whose entries of
+        the versions listed are the store's word on them."""
         now = time.monotonic() if taken is None else taken
         children: dict[str, int] = {}
         if not complete and node.children is not None:
@@ -191,9 +216,16 @@ class Listings:
                 self._log_odd(node.key + name + "/", "not a valid directory name")
                 continue
             sub = self.table.node_for(join(node.path, name), True)
-            if sub.attrs is None and known and (k := known.get(sub.key)) is not None:
-                sub.attrs = k.attrs
-                sub.mtime = k.attrs.mtime_ns / 1e9
+            if sub.attrs is None:  # this mount's own (its entries moved its times) stand
+                entry = table.dir(name) if table is not None else None
+                if entry is not None:
+                    sub.attrs = from_metadata(entry, is_dir=True, defaults=self.attrs.defaults,
+                                              store_mtime_ns=int(sub.mtime * 1e9))
+                    self.attrs.note(sub)
+                elif known and (k := known.get(sub.key)) is not None:
+                    sub.attrs = k.attrs
+                if sub.attrs is not None:
+                    sub.mtime = sub.attrs.mtime_ns / 1e9
             children[name] = sub.inode
         for info in listing.files:
             name = info.key[len(node.key) :]
@@ -203,9 +235,8 @@ class Listings:
             if name in children:
                 self._log_odd(info.key, "both an object and a prefix; the directory wins")
                 continue
-            child = self.table.node_for(info.key, False)
-            child = self.attrs.apply_info(child, info, now,
-                                          known=known.get(info.key) if known else None)
+            child = self._apply(name, info, now, known.get(info.key) if known else None,
+                                table, table_info)
             children[name] = child.inode
         files, dirs = self.overlay.local_children(node.key)
         for name in dirs:
@@ -224,6 +255,26 @@ class Listings:
         node.children_expire = now + ttl
         node.children_epoch = self.health.epoch
 
+    def _apply(self, name: str, info: ObjectInfo, now: float, known: Known | None,
+               table: dirattrs.Table | None, table_info: ObjectInfo | None) -> Node:
+        """A listed file's node, with what its directory's attribute object says of it:
+        its entry, if of this version; else a HEAD is worth it (`ask`) if the entry
+        is stale, or missing while the object is newer than the table (a crash
+        between the two, another tool's write)."""
+        child = self.table.node_for(info.key, False)
+        entry = table.file(name) if table is not None else None
+        if entry is not None and dirattrs.describes(entry, info):
+            stored = from_metadata(entry, is_dir=False, defaults=self.attrs.defaults,
+                                   store_mtime_ns=int(info.mtime * 1e9))
+            child = self.attrs.apply_info(child, info, now, stored=stored, unknown_only=True,
+                                          link=entry.get(dirattrs.LINK), known=known)
+            child.ask = False
+            return child
+        child = self.attrs.apply_info(child, info, now, known=known)
+        child.ask = table_info is not None and (
+            entry is not None or info.mtime >= table_info.mtime - dirattrs.STORED_SLACK)
+        return child
+
     async def listed_dir(self, parent: Node, name: str, path: str) -> Node | None:
         """`path` as a directory whose own listing is fresh (listed by this mount or
         kept from an earlier one), found without listing the parent again: a
@@ -240,7 +291,7 @@ class Listings:
         listing, taken = kept
         node = self.table.node_for(path, True)
         if node.children is None:  # (another lookup may have listed it meanwhile)
-            self.install(node, listing, taken=taken)
+            await self._take(node, listing, True, taken)
         if parent.children is not None:
             parent.children[name] = node.inode
         return node

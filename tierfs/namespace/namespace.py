@@ -1,6 +1,8 @@
 """The namespace's face: lookups, listings, revalidation, and the changes this
 mount makes, over the inode table (nodes.py), attribute knowledge
-(attributes.py), listings (listings.py) and changes (changes.py)."""
+(attributes.py), listings (listings.py), changes (changes.py) and directories'
+attribute objects (attrobjects.py, whose writer `objects.run` the composition
+root starts)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from tierfs.cache import Cache
 from tierfs.health import StoreHealth
 from tierfs.kept_listings import KeptListings
 from tierfs.namespace.attributes import Attributes
+from tierfs.namespace.attrobjects import AttrObjects
 from tierfs.namespace.changes import Changes
 from tierfs.namespace.listings import Listings
 from tierfs.namespace.nodes import (
@@ -59,9 +62,10 @@ class Namespace:
         self.table = NodeTable(policy, time.time())
         self.attrs = Attributes(self.table, store, cache, workers, overlay, defaults,
                                 on_changed=on_changed, on_gone=on_gone)
-        self.listings = Listings(self.table, self.attrs, store, cache, workers, health, kept,
-                                 overlay)
-        self.changes = Changes(self.table, self.attrs, store, health, kept, overlay,
+        self.objects = AttrObjects(store, cache, workers)
+        self.listings = Listings(self.table, self.attrs, self.objects, store, cache, workers,
+                                 health, kept, overlay)
+        self.changes = Changes(self.table, self.attrs, self.objects, store, health, kept, overlay,
                                on_changed=on_changed, on_gone=on_gone)
 
     # -- the table and what is known (for fs, tree, the read and write paths) ------------
@@ -85,8 +89,8 @@ class Namespace:
         return self.attrs.nlink(node)
 
     def set_attrs(self, node: Node, attrs: Attrs, *, etag: str | None = None,
-                  link: str | None = None) -> None:
-        self.attrs.set(node, attrs, etag=etag, link=link)
+                  stored_at: float | None = None) -> None:
+        self.changes.set_attrs(node, attrs, etag=etag, stored_at=stored_at)
 
     def learn(self, key: str, etag: str, metadata: dict[str, str]) -> None:
         self.attrs.learn(key, etag, metadata)
@@ -170,7 +174,8 @@ class Namespace:
                 # A new or changed manifest vouches for files in its directory
                 # subtree: listings cached from before it may not show them yet.
                 self.listings.expire_below(parent.path)
-            node = self.attrs.apply_info(node, info, time.monotonic(), headed=True)
+            node = self.attrs.apply_info(node, info, time.monotonic(),
+                                         stored=self.attrs.from_head(info))
             node.validated_at = time.monotonic()
             await self.remember()
         else:
@@ -188,12 +193,15 @@ class Namespace:
         return node
 
     def untyped(self, node: Node) -> bool:
-        """Whether `node` may be a symlink or FIFO this mount cannot tell from a regular
-        file yet (a small object of unknown attributes, in a class that asks, listed
-        with an ETag that tierfs's typed objects have: Store.may_be_typed)."""
+        """Whether a HEAD is worth it for `node`'s attributes, in a class that asks:
+        its directory's attribute object says the listing cannot tell (`ask`), or
+        it may be a symlink or FIFO this mount cannot tell from a regular file yet
+        (a small object of unknown attributes listed with an ETag that tierfs's
+        typed objects have: Store.may_be_typed)."""
         return (node.attrs is None and not node.is_dir and bool(node.etag)
-                and node.size <= SYMLINK_MAX and node.settings.type_small_objects
-                and self.store.may_be_typed(node.etag) and not self.health.degraded)
+                and node.settings.type_small_objects and not self.health.degraded
+                and (node.ask or (node.size <= SYMLINK_MAX
+                                  and self.store.may_be_typed(node.etag))))
 
     async def getattr(self, inode: int) -> Node:
         node = self.get(inode)
@@ -239,7 +247,8 @@ class Namespace:
             raise
         if info is None:
             raise OSError(errno.ENOENT, "object no longer exists")
-        current = self.attrs.apply_info(node, info, time.monotonic(), headed=True)
+        current = self.attrs.apply_info(node, info, time.monotonic(),
+                                         stored=self.attrs.from_head(info))
         node.validated_at = current.validated_at = time.monotonic()
         if remember:
             await self.remember()
@@ -275,7 +284,8 @@ class Namespace:
             raise OSError(errno.ENOENT, f"{key}: no longer in the store")
         node = self.table.at(key)
         if node is not None and not node.is_dir:
-            node = self.attrs.apply_info(node, info, time.monotonic(), headed=True)
+            node = self.attrs.apply_info(node, info, time.monotonic(),
+                                         stored=self.attrs.from_head(info))
             node.validated_at = time.monotonic()
             await self.remember()
         return info
@@ -298,9 +308,9 @@ class Namespace:
         self.changes.check_new(parent_inode, name, is_dir=is_dir)
 
     def add(self, parent_inode: int, name: str, *, is_dir: bool, attrs: Attrs, size: int = 0,
-            etag: str = "", link: str | None = None) -> Node:
+            etag: str = "", link: str | None = None, stored_at: float | None = None) -> Node:
         return self.changes.add(parent_inode, name, is_dir=is_dir, attrs=attrs, size=size,
-                                etag=etag, link=link)
+                                etag=etag, link=link, stored_at=stored_at)
 
     def remove(self, parent_inode: int, name: str) -> None:
         self.changes.remove(parent_inode, name)
@@ -317,3 +327,16 @@ class Namespace:
 
     def local_dropped(self, key: str) -> None:
         self.changes.local_dropped(key)
+
+    async def removing_dir(self, node: Node) -> None:
+        """rmdir of `node` (checked empty): its attribute object goes first."""
+        await self.objects.removed(node.key)
+
+    async def moving_dir(self, node: Node, new_key: str) -> None:
+        """A rename of directory `node` to `new_key` is about to copy what is below it."""
+        await self.objects.moving(node.key, new_key)
+
+    async def settle(self, prefix: str) -> None:
+        """Write the attribute objects this mount changed at or below `prefix` now
+        (`tierfs flush`, umount): another node lists what this one did."""
+        await self.objects.settle(prefix)

@@ -42,6 +42,10 @@ class Node:
     validated_at: float = -math.inf  # monotonic time of the last HEAD
     attrs: Attrs | None = None  # POSIX attributes, once known (None: the mount's defaults)
     link: str | None = None  # a symlink's target, once read
+    # Its listing cannot tell its attributes, and its directory's attribute object
+    # says so (a stale entry, or none for an object newer than the table): a HEAD
+    # tells, where the class asks (Namespace.untyped).
+    ask: bool = False
 
     @property
     def key(self) -> str:
