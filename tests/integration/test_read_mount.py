@@ -38,6 +38,9 @@ def seeded(s3_server: SeaweedServer, bucket: str) -> dict[str, bytes]:
         "data/shard-0.tar": rng.randbytes(20 * MiB + 12345),
         "data/sub/deep/leaf.json": b'{"a": 1}',
         "data/sub/x.idx": rng.randbytes(3 * MiB),
+        # not only dataset files: data/sub/'s listing is not kept across remounts
+        # (kept_listings.listing_settings), so a replaced object shows after one
+        "data/sub/README.txt": b"shards\n",
     }
     c = s3_server.client()
     for k, v in objs.items():
