@@ -386,3 +386,26 @@ def test_an_unreadable_attribute_object_is_ignored(world: World) -> None:
         assert world.ns.stat(entries[0][1])[0].uid == 1234
 
     run(main)
+
+
+def test_nothing_is_written_below_a_directory_being_renamed(world: World) -> None:
+    """An upload that lands while its directory is renamed object by object: its
+    entry would put an attribute object under the old name after the copies
+    (a phantom directory); the copy brings it under the new name instead."""
+    run(lambda: copy_in(world, TREE_FILES, TREE_DIRS))
+
+    async def main() -> None:
+        t = await world.path("t")
+        await world.ns.moving_dir(t, "u/")
+        a = attrs_for(stat.S_IFREG, 0o600, 3)
+        info = world.store.put_bytes("t/landed.txt", b"x", metadata=to_metadata(a))
+        await world.ns.uploaded(info.key, info)
+        before = world.requests["put"]
+        await world.ns.settle("")
+        assert world.requests["put"] == before
+        world.ns.moved_dir("t/")
+        await world.ns.uploaded(info.key, info)  # the rename is over: written again
+        await world.ns.settle("")
+        assert world.requests["put"] == before + 1
+
+    run(main)

@@ -205,8 +205,12 @@ class TreeChanges:
         # the new name (writeback/core.py).
         moved = partial(self.ns.move, parent_old, old, parent_new, new)
         if src.is_dir:
+            old_key = src.key
             await self.ns.moving_dir(src, f"{target}/")
-            copied = await self.wb.rename_tree(src.key, f"{target}/", moved)
+            try:
+                copied = await self.wb.rename_tree(old_key, f"{target}/", moved)
+            finally:
+                self.ns.moved_dir(old_key)
         elif (self.ns.policy.settings(target).write_mode == "publish"
               and self.ns.stat(src)[0].kind == stat.S_IFREG):  # `ln -sfn`: a symlink moves
             copied = await self.wb.publish_rename(

@@ -53,6 +53,7 @@ class AttrObjects:
         self._backoff: dict[str, float] = {}
         self._writing: dict[str, trio.Event] = {}  # prefix -> the end of its write in flight
         self._moved: dict[str, Table] = {}  # new prefix -> table, until its copy is seen
+        self._moving: set[str] = set()  # directories being renamed (their old prefixes)
         self._wake = trio.Event()
         self._warned: set[str] = set()
 
@@ -97,7 +98,12 @@ class AttrObjects:
     # -- writing -------------------------------------------------------------------------
 
     def change(self, prefix: str, name: str, entry: Entry | None) -> None:
-        """`name`'s entry in directory `prefix` is now `entry` (None: it has none)."""
+        """`name`'s entry in directory `prefix` is now `entry` (None: it has none).
+        Below a directory being renamed, nothing: its objects are being copied to
+        the new name (their copies bring their entries), and an object written
+        under the old name now would outlive the rename (a phantom directory)."""
+        if any(prefix.startswith(old) for old in self._moving):
+            return
         self._pending.setdefault(prefix, {})[name] = entry
         if prefix not in self._due:
             held = self._tables.get(prefix)
@@ -117,13 +123,18 @@ class AttrObjects:
 
     async def moving(self, old: str, new: str) -> None:
         """Directory `old` is about to be renamed to `new`, objects copied one by one:
-        what is pending below it is written first (so the copies carry it, and no
-        write lands under the old name afterwards)."""
+        what is pending below it is written first (so the copies carry it), and
+        nothing more is written below it until `moved`."""
+        self._moving.add(old)
         await self.settle(old)
         for prefix in [p for p in self._tables if p.startswith(old)]:
             etag, table = self._drop(prefix)
             if etag is not None:
                 self._moved[new + prefix[len(old):]] = table
+
+    def moved(self, old: str) -> None:
+        """The rename of directory `old` is over (done or failed)."""
+        self._moving.discard(old)
 
     async def removed(self, prefix: str) -> None:
         """rmdir of `prefix`: its attribute object goes with it, now (a leftover

@@ -216,14 +216,17 @@ class Listings:
                 self._log_odd(node.key + name + "/", "not a valid directory name")
                 continue
             sub = self.table.node_for(join(node.path, name), True)
-            if sub.attrs is None:  # this mount's own (its entries moved its times) stand
+            # What this node knows of a directory (memory, then the index) stands: the
+            # times its entries moved are its own, never stored; else what was set
+            # on it explicitly, as its parent's attribute object tells.
+            if sub.attrs is None:
                 entry = table.dir(name) if table is not None else None
-                if entry is not None:
+                if known and (k := known.get(sub.key)) is not None:
+                    sub.attrs = k.attrs
+                elif entry is not None:
                     sub.attrs = from_metadata(entry, is_dir=True, defaults=self.attrs.defaults,
                                               store_mtime_ns=int(sub.mtime * 1e9))
                     self.attrs.note(sub)
-                elif known and (k := known.get(sub.key)) is not None:
-                    sub.attrs = k.attrs
                 if sub.attrs is not None:
                     sub.mtime = sub.attrs.mtime_ns / 1e9
             children[name] = sub.inode

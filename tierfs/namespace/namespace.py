@@ -333,8 +333,12 @@ class Namespace:
         await self.objects.removed(node.key)
 
     async def moving_dir(self, node: Node, new_key: str) -> None:
-        """A rename of directory `node` to `new_key` is about to copy what is below it."""
+        """A rename of directory `node` to `new_key` is about to copy what is below
+        it; `moved_dir` with its old key once it is over (done or failed)."""
         await self.objects.moving(node.key, new_key)
+
+    def moved_dir(self, old_key: str) -> None:
+        self.objects.moved(old_key)
 
     async def settle(self, prefix: str) -> None:
         """Write the attribute objects this mount changed at or below `prefix` now
