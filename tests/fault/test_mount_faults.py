@@ -12,7 +12,6 @@ import hashlib
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -101,8 +100,10 @@ def test_flaky_store_20pct_reads_and_checkpoint_are_correct(
     assert m.status()["errors"] == {}, m.status()["errors"]
 
 
-def _timed_reads(path: Path, stop: threading.Event, lat: list[float], bad: list[str]) -> None:
-    """Re-read a cached file in 1 MiB pieces until `stop`; latency per read."""
+def _timed_reads(path: Path, stop: threading.Event, lat: list[float], bad: list[str],
+                 passes: list[int] | None = None) -> None:
+    """Re-read a cached file in 1 MiB pieces until `stop`; latency per read (for
+    tests/fault/soak.py's figures), and one count in `passes` per whole pass."""
     want = hashlib.sha256(path.read_bytes()).digest()
     while not stop.is_set():
         h = hashlib.sha256()
@@ -121,10 +122,12 @@ def _timed_reads(path: Path, stop: threading.Event, lat: list[float], bad: list[
         if h.digest() != want:
             bad.append("corrupt read")
             return
+        if passes is not None:
+            passes.append(1)
         drop_page_cache()
 
 
-@needs_root  # drops the page cache: the latency bound is tier 1's, not the kernel's
+@needs_root  # drops the page cache: the reads are tier 1's, not the kernel's
 def test_blackhole_mid_upload_cached_reads_keep_working_and_upload_lands(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, proxy: FaultProxy,
     tmp_path: Path,
@@ -142,57 +145,58 @@ def test_blackhole_mid_upload_cached_reads_keep_working_and_upload_lands(
     proxy.set_rules([Rule("latency", ops={"multipart"}, delay=0.3)])
     with open(mp / "ckpt/model.pt", "wb") as f:
         f.write(ckpt)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     # (parts seen by the proxy: the runtime's parts are not tierfs's requests)
     while proxy.stats()[("multipart", "total")] < 3:
-        assert time.monotonic() < deadline, "upload never started"
+        assert time.monotonic() < deadline, "upload never started"  # hang guard
         time.sleep(0.05)
     proxy.blackhole_all(True)
+    store_bytes = m.metric("tierfs_read_bytes_total{tier=store}")
     lat: list[float] = []
     bad: list[str] = []
+    passes: list[int] = []
     stop = threading.Event()
-    reader = threading.Thread(target=_timed_reads, args=(mp / "data/warm.bin", stop, lat, bad))
+    reader = threading.Thread(target=_timed_reads,
+                              args=(mp / "data/warm.bin", stop, lat, bad, passes))
     reader.start()
     # write-back keeps accepting checkpoints while the store is away
     more = os.urandom(8 * MiB)
     with open(mp / "ckpt/optim.pt", "wb") as f:
         f.write(more)
-    t_end = time.monotonic() + 12
+    # Cached reads go on while the store is away: the reader finishes whole passes
+    # (page cache dropped before each) before the blackhole ends. A read that waited
+    # for the store would get EIO at the 5 s deadline instead (`bad`).
+    deadline = time.monotonic() + 120
     seen_degraded = False
-    while time.monotonic() < t_end:
+    while len(passes) < 5 or not seen_degraded:
+        assert not bad, bad
+        assert time.monotonic() < deadline, (len(passes), seen_degraded)  # hang guard
         st = m.status()  # the daemon answers throughout
         seen_degraded |= st["degraded"] is True
         assert st["pending"]["count"] >= 1
-        time.sleep(0.5)
+        time.sleep(0.2)
     stop.set()
     reader.join(30)
     assert not bad, bad
-    assert len(lat) > 50
-    p50 = statistics.median(lat)
-    p99 = sorted(lat)[int(len(lat) * 0.99)]
-    print(f"cached reads during blackhole: n={len(lat)} p50={p50 * 1e3:.2f}ms p99={p99 * 1e3:.2f}ms "
-          f"max={max(lat) * 1e3:.1f}ms")
-    assert p99 < 0.5, (p50, p99, max(lat))
-    assert seen_degraded, "status never showed the store as down"
-    # a new checkpoint dir while the store is away: the marker is journaled
-    t0 = time.monotonic()
+    assert m.metric("tierfs_read_bytes_total{tier=store}") == store_bytes  # all from tier 1
+    # a new checkpoint dir while the store is away: the marker is journaled, and
+    # mkdir asks the store nothing (it would wait for the blackhole)
+    asked = len(proxy.log)
     os.mkdir(mp / "ckpt/step-2")
-    assert time.monotonic() - t0 < 3, "mkdir waited for the store"
+    assert not [e for e in proxy.log[asked:] if "step-2" in e.path], proxy.log[asked:]
     (mp / "ckpt/step-2/extra.pt").write_bytes(more)
     assert "step-2" in os.listdir(mp / "ckpt")
     assert obj_missing_or_differs(s3_server, bucket, "ckpt/model.pt", ckpt)
     proxy.clear()
-    t0 = time.monotonic()
     flush(m, timeout=120)
-    print(f"upload landed {time.monotonic() - t0:.1f}s after the store returned")
     assert obj(s3_server, bucket, "ckpt/model.pt") == ckpt
     assert obj(s3_server, bucket, "ckpt/optim.pt") == more
     assert obj(s3_server, bucket, "ckpt/step-2/extra.pt") == more
     assert obj(s3_server, bucket, "ckpt/step-2/") == b""  # the journaled marker landed
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 60  # the probe runs every 5 s
     while m.status()["degraded"]:
-        assert time.monotonic() < deadline, "never left degraded mode"
-        time.sleep(0.5)
+        assert time.monotonic() < deadline, "never left degraded mode"  # hang guard
+        time.sleep(0.2)
 
 
 def obj_missing_or_differs(s3: SeaweedServer, bucket: str, key: str, data: bytes) -> bool:
@@ -221,29 +225,33 @@ def test_store_down_uncached_read_eio_within_deadline_and_killable(
     # a reader stuck waiting on the store dies at once on SIGKILL (no D state)
     proc = subprocess.Popen([sys.executable, "-c",
                              f"open({str(mp / 'data/cold2.bin')!r}, 'rb').read()"])
-    until = time.monotonic() + 10
+    until = time.monotonic() + 60
     while not any(e.op == "get" and "cold2.bin" in e.path and e.fault == "blackhole"
                   for e in list(proxy.log)):  # the daemon's GET for that read is held
+        # hang guard
         assert time.monotonic() < until and proc.poll() is None, "the read never reached the store"
         time.sleep(0.02)
     assert proc.poll() is None  # so the reader is waiting for the store
-    t0 = time.monotonic()
+    timeouts = "tierfs_store_requests_total{op=get,status=timeout}"
     proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=5)
-    assert time.monotonic() - t0 < 2.0
-    # an uncached read fails with EIO within the deadline, never hangs
+    proc.wait(timeout=5 * deadline)  # hang guard: a reader in D state would outlive the GET
+    # ... and it died while the daemon's GET was still held: no GET has timed out yet
+    assert m.metric(timeouts) == 0
+    # an uncached read fails with EIO at the deadline (one attempt cut there), never hangs
     t0 = time.monotonic()
     with pytest.raises(OSError) as exc, open(mp / "data/cold.bin", "rb", buffering=0) as f:
         f.read(MiB)
     took = time.monotonic() - t0
     print(f"uncached read with the store down: {exc.value} after {took:.2f}s (deadline {deadline}s)")
     assert exc.value.errno == errno.EIO
-    assert took <= deadline + 1.0, took
-    # now known down (degraded): the next uncached read fails at once
-    t0 = time.monotonic()
+    assert took < 10 * deadline, took  # hang guard
+    assert m.metric(timeouts) >= 1
+    # now known down (degraded): the next uncached read fails at once, asking the store nothing
+    asked = len(proxy.log)
     with pytest.raises(OSError) as exc, open(mp / "data/cold.bin", "rb", buffering=0) as f:
         f.read(MiB)
-    assert exc.value.errno == errno.EIO and time.monotonic() - t0 < 1.0
+    assert exc.value.errno == errno.EIO
+    assert not [e for e in proxy.log[asked:] if "cold.bin" in e.path], proxy.log[asked:]
     # the daemon is up, answers status, says degraded, still serves tier 1
     st = m.status()
     assert st["pid"] == m.pid and st["degraded"] is True
@@ -251,14 +259,14 @@ def test_store_down_uncached_read_eio_within_deadline_and_killable(
     assert (mp / "data/warm.bin").read_bytes() == warm
     assert "data" in os.listdir(mp)
     proxy.clear()
-    deadline_t = time.monotonic() + 20
+    deadline_t = time.monotonic() + 60  # the probe runs every 5 s
     while True:  # the store is back: the same read now works
         try:
             assert len((mp / "data/cold.bin").read_bytes()) == 4 * MiB
             break
         except OSError:
-            assert time.monotonic() < deadline_t
-            time.sleep(0.5)
+            assert time.monotonic() < deadline_t  # hang guard
+            time.sleep(0.2)
 
 
 def run_crash_trials(m: TierfsMount, remount, s3: SeaweedServer, bucket: str, log: Path,

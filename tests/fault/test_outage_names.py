@@ -46,33 +46,35 @@ def test_outage_answers_eio_not_enoent_for_what_it_cannot_know(
     # listed by this mount, so it still exists (uncached: its bytes are EIO).
     t0 = time.monotonic()
     assert os.stat(mp / "data/a.dat").st_size == 4096
-    assert time.monotonic() - t0 < deadline + 2
+    assert time.monotonic() - t0 < 10 * deadline  # hang guard
     st = m.status()
     assert st["degraded"] is True, "status must say degraded once an operation failed"
     assert "internal" not in st["errors"], st["errors"]
 
-    def timed_errno(fn) -> tuple[int | None, float]:
-        t0 = time.monotonic()
-        return errno_of(fn), time.monotonic() - t0
+    def errno_asking_nothing(fn, name: str) -> int | None:
+        """The errno of fn(), which must send the store no request about `name`:
+        known degraded, the answer comes at once instead of at the deadline."""
+        asked = len(proxy.log)
+        code = errno_of(fn)
+        assert not [e for e in proxy.log[asked:] if name in e.path], proxy.log[asked:]
+        return code
 
     # Known degraded: every answer comes at once, none of them a false ENOENT.
-    code, took = timed_errno((mp / "data/b.dat").read_bytes)
-    assert code == errno.EIO and took < 1.0, (code, took)
-    code, took = timed_errno(lambda: os.listdir(mp / "cold"))  # never listed, nothing cached
-    assert code == errno.EIO and took < 1.0, (code, took)
-    code, took = timed_errno(lambda: os.stat(mp / "cold/x.dat"))
-    assert code == errno.EIO and took < 1.0, (code, took)
-    code, took = timed_errno(lambda: os.stat(mp / "ckpt/latest"))  # a manifest: HEAD needed
-    assert code == errno.EIO and took < 1.0, (code, took)
+    assert errno_asking_nothing((mp / "data/b.dat").read_bytes, "b.dat") == errno.EIO
+    # never listed, nothing cached
+    assert errno_asking_nothing(lambda: os.listdir(mp / "cold"), "cold") == errno.EIO
+    assert errno_asking_nothing(lambda: os.stat(mp / "cold/x.dat"), "cold") == errno.EIO
+    # a manifest: a HEAD is needed
+    assert errno_asking_nothing(lambda: os.stat(mp / "ckpt/latest"), "ckpt") == errno.EIO
     assert sorted(os.listdir(mp / "data")) == ["a.dat", "b.dat"]  # what this mount listed
     # A name the store's last whole listing of data/ did not have stays absent.
     assert errno_of(lambda: os.stat(mp / "data/never.dat")) == errno.ENOENT
     assert "internal" not in m.status()["errors"]
 
     proxy.clear()
-    until = time.monotonic() + 30
+    until = time.monotonic() + 60  # the probe runs every 5 s
     while errno_of(lambda: os.listdir(mp / "cold")) is not None:
-        assert time.monotonic() < until, "never left degraded mode"
+        assert time.monotonic() < until, "never left degraded mode"  # hang guard
         time.sleep(0.2)
     assert os.listdir(mp / "cold") == ["x.dat"]
     assert (mp / "data/b.dat").read_bytes() == b"x" * 4096

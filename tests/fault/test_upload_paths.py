@@ -40,10 +40,9 @@ def test_flush_path_waits_for_its_subtree_only(
     slow, fast = os.urandom(2 * MiB), os.urandom(2 * MiB)
     (mp / "slow/a.pt").write_bytes(slow)
     (mp / "fast/b.pt").write_bytes(fast)
-    t0 = time.monotonic()
     res = run_tierfs("flush", str(mp), "fast", env=m.env, timeout=60)
     assert res.returncode == 0, res.stderr
-    assert time.monotonic() - t0 < 30
+    # it returned before slow/a.pt was done: that one is still held, below
     assert obj(s3_server, bucket, "fast/b.pt") == fast
     assert "slow/a.pt" not in keys(s3_server, bucket)
     assert m.status()["pending"]["count"] == 1  # slow/a.pt, still held
@@ -65,9 +64,9 @@ def test_an_upload_that_does_not_verify_is_sent_again(
     proxy.set_rules([Rule("latency", ops={"head"}, path=r"/ckpt/model\.pt", delay=2.0, count=1)])
     (m.mountpoint / "ckpt").mkdir()
     (m.mountpoint / "ckpt/model.pt").write_bytes(mine)  # write-back: the upload follows
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while proxy.stats()[("head", "latency")] < 1:  # our PUT is done; its HEAD is held
-        assert time.monotonic() < deadline, "the upload's HEAD never came"
+        assert time.monotonic() < deadline, "the upload's HEAD never came"  # hang guard
         time.sleep(0.01)
     s3_server.client().put_object(Bucket=bucket, Key="ckpt/model.pt", Body=b"someone else")
     res = run_tierfs("flush", str(m.mountpoint), env=m.env, timeout=120)

@@ -79,6 +79,7 @@ def test_sigint_unmounts_cleanly_and_keeps_what_was_acknowledged(
     try:
         deadline = time.monotonic() + 30
         while not (is_mounted(mp) and os.stat(mp).st_ino == 1):
+            # hang guard
             assert time.monotonic() < deadline and daemon.poll() is None, "never mounted"
             time.sleep(0.05)
         payload = os.urandom(8 << 20)

@@ -116,7 +116,7 @@ class OneFile(pyfuse3.Operations):
 def wait_for(cond: Callable[[], bool], what: str, timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline:  # hang guard
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
 

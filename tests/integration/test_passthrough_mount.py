@@ -49,7 +49,7 @@ def read_all(path: Path) -> bytes:
 def wait_for(cond: Callable[[], bool], what: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline:  # hang guard
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
 

@@ -185,6 +185,7 @@ def test_kernel_page_cache_is_dropped_when_the_object_changes(
     put(s3_server, bucket, "d/changing.tar", new)
     deadline = time.monotonic() + 10  # the TTLs are 1 s: well within
     while read_all(path) != new:
+        # hang guard
         assert time.monotonic() < deadline, "the new version never showed"
         time.sleep(0.1)
     alive(m)

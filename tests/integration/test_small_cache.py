@@ -133,6 +133,7 @@ def test_readahead_stops_when_the_reader_is_gone(
     deadline = time.monotonic() + 30
     last = -1.0
     while (now := m.metric(GET_BYTES)) != last:  # settled: nothing fetched for 1 s
+        # hang guard
         assert time.monotonic() < deadline, "still fetching 30 s after the reader left"
         last = now
         time.sleep(1.0)

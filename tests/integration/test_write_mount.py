@@ -258,6 +258,7 @@ def _checksums_taken(m: TierfsMount) -> None:
     """Until the checksums every seal left to take are taken (Entry.take_digests)."""
     deadline = time.monotonic() + 60
     while m.status()["pending"]["checksums_pending"]:
+        # hang guard
         assert time.monotonic() < deadline, "checksums never taken"
         time.sleep(0.02)
 
@@ -362,7 +363,7 @@ def test_kill9_mid_upload_then_remount_and_flush(
         deadline = time.monotonic() + 60
         while not (m.status()["pending"].get("uploaded_bytes", 0) > 0 and
                    proxy.stats()[("multipart", "total")] > 2):
-            assert time.monotonic() < deadline, "the upload never got going"
+            assert time.monotonic() < deadline, "the upload never got going"  # hang guard
             time.sleep(0.05)
         m.kill9()
         assert "big.pt" not in keys(s3_server, bucket)  # killed half way through

@@ -143,12 +143,11 @@ def test_refused_upload_is_quarantined_and_flush_umount_fail_fast(
     m = mount_factory(f"s3://{bucket}", cache_dir=cache, env=s3_server.readonly_env())
     data = os.urandom(3 * MiB)
     (m.mountpoint / "model.pt").write_bytes(data)  # write-back: acknowledged once journaled
-    t0 = time.monotonic()
-    res = run_tierfs("flush", str(m.mountpoint), env=m.env, timeout=25)
-    took = time.monotonic() - t0
+    res = run_tierfs("flush", str(m.mountpoint), env=m.env, timeout=120)  # hang guard
     assert res.returncode != 0 and "model.pt" in res.stderr, res
-    assert took < 15, took
     st = m.status()
+    puts = st["store"]["requests"]["put"]
+    assert puts.get("retry", 0) == 0, puts  # a permanent error: not retried
     assert st["pending"]["count"] == 0
     [note] = st["quarantined"]["files"]
     assert note["key"] == "model.pt" and "access denied" in note["reason"].lower(), note
@@ -156,9 +155,8 @@ def test_refused_upload_is_quarantined_and_flush_umount_fail_fast(
     assert (cache / "quarantine" / note["file"]).read_bytes() == data
     listed = run_tierfs("pending", "list", str(m.mountpoint), env=m.env, timeout=30)
     assert listed.returncode == 0 and "model.pt" in listed.stdout, listed
-    t0 = time.monotonic()
-    res = run_tierfs("umount", str(m.mountpoint), env=m.env, timeout=60)
-    assert res.returncode != 0 and time.monotonic() - t0 < 30, res
+    res = run_tierfs("umount", str(m.mountpoint), env=m.env, timeout=120)  # hang guard
+    assert res.returncode != 0, res
     assert "model.pt" in res.stderr and "--no-flush" in res.stderr, res.stderr
     assert is_mounted(m.mountpoint) and m.status()["pid"] == m.pid
     res = run_tierfs("pending", "discard", str(m.mountpoint), "model.pt", env=m.env, timeout=30)
@@ -184,10 +182,10 @@ def test_key_too_long_for_the_store_is_not_retried_forever(
         d = d / (part * 250)
         os.mkdir(d)
     (d / ("x" * 40 + ".pt")).write_bytes(b"too long a key")  # write-back class
-    t0 = time.monotonic()
-    res = run_tierfs("flush", str(m.mountpoint), env=m.env, timeout=60)
+    res = run_tierfs("flush", str(m.mountpoint), env=m.env, timeout=120)  # hang guard
     assert res.returncode != 0 and "x" * 40 + ".pt" in res.stderr, res
-    assert time.monotonic() - t0 < 15
+    puts = m.status()["store"]["requests"]["put"]
+    assert puts.get("retry", 0) == 0, puts  # a permanent error: not retried
     [note] = m.status()["quarantined"]["files"]
     assert note["key"].endswith("x" * 40 + ".pt")
 

@@ -41,13 +41,12 @@ def in_bucket(s3: SeaweedServer, bucket: str, key: str) -> bytes | None:
         return None
 
 
-def wait_in_bucket(s3: SeaweedServer, bucket: str, key: str, timeout: float) -> float:
-    """Seconds until `key` shows in the bucket (polled, with a deadline)."""
-    start = time.monotonic()
+def wait_in_bucket(s3: SeaweedServer, bucket: str, key: str, timeout: float) -> None:
+    """Until `key` shows in the bucket (polled; `timeout` ends a hang)."""
+    deadline = time.monotonic() + timeout
     while in_bucket(s3, bucket, key) is None:
-        assert time.monotonic() - start < timeout, f"{key} not in the bucket after {timeout}s"
+        assert time.monotonic() < deadline, f"{key} not in the bucket after {timeout}s"  # hang guard
         time.sleep(0.05)
-    return time.monotonic() - start
 
 
 def flush(m, *paths: str) -> None:  # type: ignore[no-untyped-def]
@@ -66,25 +65,28 @@ def test_temp_file_left_alone_lands_after_its_grace_period(
     tmp_path: Path,
 ) -> None:
     cfg = tmp_path / "grace.toml"
-    cfg.write_text("[classes.staged]\nupload_delay = 3\n")
+    cfg.write_text("[classes.staged]\nupload_delay = 6\n")
     m = mount_factory(f"s3://{bucket}", "--endpoint-url", proxy.endpoint, "--config", str(cfg))
     payload = os.urandom(2 * MiB)
-    t0 = time.monotonic()
     (m.mountpoint / "model.pt.tmp").write_bytes(payload)
     assert in_bucket(s3_server, bucket, "model.pt.tmp") is None  # staged, not uploaded at close
-    wait_in_bucket(s3_server, bucket, "model.pt.tmp", timeout=60)
-    assert time.monotonic() - t0 >= 3.0  # not before its grace period
+    # Not before its grace period: a checkpoint closed after it (uploaded at once, a
+    # few KiB) lands while the temporary file has not even started its upload.
+    (m.mountpoint / "after.pt").write_bytes(b"a" * 4096)
+    wait_in_bucket(s3_server, bucket, "after.pt", timeout=60)
+    assert "model.pt.tmp" not in put_keys(proxy, bucket)
+    wait_in_bucket(s3_server, bucket, "model.pt.tmp", timeout=60)  # then, left alone, it lands
     assert in_bucket(s3_server, bucket, "model.pt.tmp") == payload
 
 
 def test_flush_uploads_a_temp_file_before_its_grace_period(
-    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer,
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path,
 ) -> None:
-    m = mount_factory(f"s3://{bucket}")  # the default grace: 30 s
+    cfg = tmp_path / "grace.toml"  # longer than flush may take (300 s): it cannot wait for it
+    cfg.write_text("[classes.staged]\nupload_delay = 3600\n")
+    m = mount_factory(f"s3://{bucket}", "--config", str(cfg))
     (m.mountpoint / "notes.txt~").write_bytes(b"backup")
-    t0 = time.monotonic()
-    flush(m)
-    assert time.monotonic() - t0 < 25  # flush waits for no grace period
+    flush(m)  # waits for no grace period
     assert in_bucket(s3_server, bucket, "notes.txt~") == b"backup"
 
 
@@ -149,16 +151,21 @@ def test_a_replace_deletes_the_temporary_name_only_where_the_store_may_hold_it(
 
 def test_write_back_waits_a_quiet_delay_and_a_rename_inside_it_costs_no_copy(
     mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, proxy: FaultProxy,
+    tmp_path: Path,
 ) -> None:
-    m = mount_factory(f"s3://{bucket}", "--endpoint-url", proxy.endpoint)
+    cfg = tmp_path / "quiet.toml"  # dataset's quiet delay (1 s by default), made plain to see
+    cfg.write_text("[classes.dataset]\nupload_delay = 6\n")
+    m = mount_factory(f"s3://{bucket}", "--endpoint-url", proxy.endpoint, "--config", str(cfg))
     mp = m.mountpoint
-    t0 = time.monotonic()
-    (mp / "shard-0.tar").write_bytes(b"x" * 4096)  # dataset: write-back after ~1 s
+    (mp / "shard-0.tar").write_bytes(b"x" * 4096)  # dataset: write-back after its quiet delay
     assert in_bucket(s3_server, bucket, "shard-0.tar") is None
     os.rename(mp / "shard-0.tar", mp / "shard-000.tar")
+    # Not before its quiet delay: a checkpoint closed after it (uploaded at once) lands first.
+    (mp / "after.pt").write_bytes(b"a" * 4096)
+    wait_in_bucket(s3_server, bucket, "after.pt", timeout=60)
+    assert put_keys(proxy, bucket) == ["after.pt"]
     wait_in_bucket(s3_server, bucket, "shard-000.tar", timeout=60)
-    assert time.monotonic() - t0 >= 1.0
-    assert put_keys(proxy, bucket) == ["shard-000.tar"]
+    assert put_keys(proxy, bucket) == ["after.pt", "shard-000.tar"]
     assert proxy.stats()[("copy", "total")] == 0
 
 
@@ -170,16 +177,21 @@ def test_manifest_rename_publishes_in_the_background_after_its_barrier(
     m = mount_factory(f"s3://{bucket}", "--endpoint-url", proxy.endpoint)
     mp = m.mountpoint
     os.makedirs(mp / "ckpt/step-1")
-    proxy.set_rules([Rule("latency", ops={"put", "multipart"}, path=r"\.distcp", delay=2.0)])
+    # The shard uploads are held (unanswered) until the rules change.
+    proxy.set_rules([Rule("blackhole", ops={"put", "multipart"}, path=r"\.distcp")])
     shards = {f"__{i}_0.distcp": os.urandom(MiB) for i in range(2)}
     for name, body in shards.items():
         (mp / "ckpt/step-1" / name).write_bytes(body)
     (mp / "ckpt/step-1/.metadata.tmp").write_bytes(b"meta")
-    t0 = time.monotonic()
+    deadline = time.monotonic() + 60
+    while sum(v for (op, f), v in proxy.stats().items() if f == "blackhole") < len(shards):
+        assert time.monotonic() < deadline, proxy.stats()  # hang guard
+        time.sleep(0.02)
+    # returns while both shard uploads are still held: it does not wait for them
     os.rename(mp / "ckpt/step-1/.metadata.tmp", mp / "ckpt/step-1/.metadata")
-    assert time.monotonic() - t0 < 1.5  # did not wait for the held shard uploads
     assert in_bucket(s3_server, bucket, "ckpt/step-1/.metadata") is None
     assert (mp / "ckpt/step-1/.metadata").read_bytes() == b"meta"  # served here meanwhile
+    proxy.clear()  # the held requests are dropped: the uploads retry and land
     flush(m)
     order = put_keys(proxy, bucket)
     assert order.index("ckpt/step-1/.metadata") > max(order.index(f"ckpt/step-1/{n}") for n in shards)

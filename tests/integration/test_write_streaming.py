@@ -44,6 +44,7 @@ def wait_for_parts(s3: SeaweedServer, bucket: str, key: str, want: set[int],
                    timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not want <= set(parts_up(s3, bucket, key)):
+        # hang guard
         assert time.monotonic() < deadline, f"parts {want} never went up: {parts_up(s3, bucket, key)}"
         time.sleep(0.05)
 

@@ -367,6 +367,7 @@ def test_going_dirty_waits_for_stores_in_flight(
     writer.start()
     deadline = time.monotonic() + 10
     while not e._stores_done._waiters:  # type: ignore[attr-defined]  # the writer waits
+        # hang guard
         assert time.monotonic() < deadline and writer.is_alive(), "the write did not wait"
         time.sleep(0.001)
     proceed.set()

@@ -80,6 +80,7 @@ async def until(cond: Callable[[], bool]) -> None:
     `cond` holds; ten seconds of wall time at most, whatever the trio clock."""
     deadline = time.monotonic() + 10
     while not cond():
+        # hang guard
         assert time.monotonic() < deadline, "condition not reached in 10 s"
         await trio.lowlevel.checkpoint()
 

@@ -45,6 +45,7 @@ async def gathered(landed: trio.Event, clock: trio.testing.MockClock) -> None:
     after the jump. Ten seconds of wall time at most."""
     deadline = time.monotonic() + 10
     while not landed.is_set():
+        # hang guard
         assert time.monotonic() < deadline, "no release batch in 10 s"
         clock.jump(RELEASE_GATHER_S)
         await trio.testing.wait_all_tasks_blocked()
