@@ -16,17 +16,19 @@ import ast
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-CLOCKS = {"monotonic", "perf_counter", "time", "monotonic_ns", "perf_counter_ns", "time_ns"}
+CLOCKS = {"monotonic", "perf_counter", "monotonic_ns", "perf_counter_ns"}
+# Calendar time is data (an mtime moved forward); a difference of it is a duration.
+CALENDAR = {"time", "time_ns"}
 ORDERING = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
 
 
-def _is_clock_call(node: ast.AST) -> bool:
+def _is_clock_call(node: ast.AST, clocks: set[str] = CLOCKS) -> bool:
     if not isinstance(node, ast.Call):
         return False
     f = node.func
     if isinstance(f, ast.Attribute):
-        return f.attr in CLOCKS and isinstance(f.value, ast.Name) and f.value.id == "time"
-    return isinstance(f, ast.Name) and f.id in {"monotonic", "perf_counter"}
+        return f.attr in clocks and isinstance(f.value, ast.Name) and f.value.id == "time"
+    return isinstance(f, ast.Name) and f.id in clocks
 
 
 class _Taint:
@@ -52,6 +54,9 @@ class _Taint:
         if node is None:
             return False
         if _is_clock_call(node):
+            return True
+        if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub)
+                and any(_is_clock_call(side, CALENDAR) for side in (node.left, node.right))):
             return True
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             if node.func.id == "len":
@@ -108,15 +113,25 @@ class _Taint:
                     changed |= self._func(node)
 
     def _func(self, fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
-        rets = [n.value for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
-        shape: list[bool] | bool = False
-        for r in rets:
+        """Whether `fn`'s result (or each part of a returned tuple) derives from a
+        clock; only ever grows, so the fixpoint ends (same-named functions merge)."""
+        old = self.funcs.get(fn.name, False)
+        new = old
+        for r in (n.value for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value):
+            if new is True:
+                break
             if isinstance(r, ast.Tuple):
-                shape = [self.expr(e) for e in r.elts]
+                parts = [self.expr(e) for e in r.elts]
+                if isinstance(new, list) and len(new) == len(parts):
+                    new = [a or b for a, b in zip(new, parts, strict=True)]
+                elif isinstance(new, list):
+                    new = any(new) or any(parts)
+                else:
+                    new = parts
             elif self.expr(r):
-                shape = True
-        if shape != self.funcs.get(fn.name, False):
-            self.funcs[fn.name] = shape
+                new = True
+        if new != old:
+            self.funcs[fn.name] = new
             return True
         return False
 
@@ -188,5 +203,9 @@ def test_the_check_sees_what_it_must() -> None:
         "    raise AssertionError('late')\n"
         "while time.monotonic() < deadline:\n"                     # a poll loop: fine
         "    pass\n"
+        "now = time.time_ns()\n"
+        "assert mtime >= now\n"                                    # a timestamp: fine
+        "t1 = time.time()\n"
+        "assert time.time() - t1 < 2\n"                            # 26: a duration
     )
-    assert caught == [3, 5, 10, 13, 19]
+    assert caught == [3, 5, 10, 13, 19, 26]
