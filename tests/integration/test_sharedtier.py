@@ -96,7 +96,7 @@ def wait_for(cond: Callable[[], bool], what: str) -> None:
     """Poll `cond` (a condition, not a delay); the bound only ends a hang."""
     deadline = time.monotonic() + HANG_GUARD
     while not cond():
-        assert time.monotonic() < deadline, f"hang: never saw {what}"
+        assert time.monotonic() < deadline, f"hang: never saw {what}"  # hang guard
         time.sleep(0.05)
 
 
