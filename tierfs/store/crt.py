@@ -25,9 +25,11 @@ client takes host and port from it); TLS follows the endpoint's scheme.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import suppress
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -157,18 +159,25 @@ class CrtEngine:
         return http.HttpRequest(method, path, http.HttpHeaders([("Host", self.host), *headers]))
 
     def get(
-        self, full: str, start: int, end: int, etag: str | None, sink: Sink, answer: Answer
+        self, full: str, start: int, end: int, etag: str | None, sink: Sink, answer: Answer,
+        *, in_caller: bool = False,
     ) -> None:
         """GET bytes [start, end] (inclusive) of `full`; each body piece goes to
-        `sink(object offset, bytes)` as it arrives (in order, from a runtime
-        thread), after `answer` got the first response's headers. If-Match `etag`
-        (quoted) where given. Raises what the runtime raised (s3errors.classify
-        maps it), or Deadline."""
+        `sink(object offset, bytes)` in order, after `answer` got the first
+        response's headers: in the runtime's thread, or (`in_caller`) in this
+        thread, for a sink that does I/O or drops the GIL (a runtime thread
+        waiting for the GIL stalls every connection of its event loop).
+        If-Match `etag` (quoted) where given. Raises what the runtime raised
+        (s3errors.classify maps it), or Deadline."""
         headers = [("Range", f"bytes={start}-{end}")]
         if etag is not None:
             headers.append(("If-Match", etag))
+        pieces: queue.SimpleQueue[tuple[int, bytes] | None] = queue.SimpleQueue()
 
         def on_body(chunk: bytes, offset: int, **_: object) -> None:
+            if in_caller:
+                pieces.put((offset, chunk))
+                return
             sink(offset, chunk)
             answer.received += len(chunk)
 
@@ -177,8 +186,17 @@ class CrtEngine:
             request=self._request("GET", full, headers),
             on_headers=answer.on_headers,
             on_body=on_body,
+            on_done=lambda **_: pieces.put(None),
         )
         try:
+            if in_caller:
+                try:
+                    while (item := _next(request, pieces)) is not None:
+                        sink(*item)
+                        answer.received += len(item[1])
+                except BaseException:
+                    _stop(request)
+                    raise
             _wait(request)
         finally:
             self._count("get", answer.received)
@@ -213,6 +231,27 @@ class CrtEngine:
     def _count(self, what: str, n: int) -> None:
         with self._lock:
             self.moved[what] += n
+
+
+def _next(
+    request: s3.S3Request, pieces: queue.SimpleQueue[tuple[int, bytes] | None]
+) -> tuple[int, bytes] | None:
+    """The next body piece of `request`, None once it is done; at the operation's
+    deadline (and GRACE) it is cancelled and Deadline raised. A caller that fails
+    meanwhile cancels it too (its pieces must not outlive the caller's sink)."""
+    left = time_left()
+    try:
+        return pieces.get(timeout=None if left is None else max(0.0, left) + GRACE)
+    except queue.Empty:
+        _stop(request)
+        raise Deadline() from None
+
+
+def _stop(request: s3.S3Request) -> None:
+    """Cancel `request` and wait until it is over (its callbacks with it)."""
+    request.cancel()
+    with suppress(Exception):
+        request.finished_future.result()
 
 
 def _wait(request: s3.S3Request) -> None:

@@ -118,7 +118,8 @@ class RangedGet:
         answer = Answer()
         try:
             engine.get(self.full, pos, self.end,
-                       quote_etag(self.pinned) if self.pinned else None, sink, answer)
+                       quote_etag(self.pinned) if self.pinned else None, sink, answer,
+                       in_caller=self.put is not None)
         except S3ResponseError as exc:
             if exc.status_code == 416:  # starts at or past EOF (e.g. a zero-size object)
                 return self.done, 0
