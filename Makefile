@@ -110,6 +110,8 @@ install: deps
 	chmod 0644 '$(UNITDIR)/tierfs@.service'
 	install -m 0600 systemd/tierfs.example.toml $(CONFDIR)/example.toml.sample
 	install -m 0644 README.md $(DOCDIR)/README.md
+	install -d -m 0755 $(DOCDIR)/docs
+	install -m 0644 docs/*.md $(DOCDIR)/docs/
 	-systemctl daemon-reload 2>/dev/null
 	@echo "installed: $(BINDIR)/tierfs, $(SBINDIR)/mount.tierfs, $(UNITDIR)/tierfs@.service"
 
