@@ -77,45 +77,40 @@ def _shared_row(metrics: dict[str, Any]) -> str | None:
             + (f"; errors {n('errors')}" if n("errors") else ""))
 
 
-def print_status(st: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    t = Table(title=f"tierfs {st['mountpoint']}", show_header=False, title_justify="left")
-    t.add_column(style="bold")
-    t.add_column()
-    t.add_row("source", st["source"])
-    t.add_row("state", "[red]DEGRADED (store unreachable)[/red]" if st["degraded"] else "ok")
-    t.add_row("pid", str(st["pid"]))
+def status_rows(st: dict[str, Any]) -> list[tuple[str, str]]:
+    """(name, text) of every row of `tierfs status`, whatever prints them."""
+    rows: list[tuple[str, str]] = []
+    add = rows.append
+    add(("source", st["source"]))
+    add(("state", "DEGRADED (store unreachable)" if st["degraded"] else "ok"))
+    add(("pid", str(st["pid"])))
     if st.get("config_file"):
-        t.add_row("config", st["config_file"])
+        add(("config", st["config_file"]))
     c = st["cache"]
     cap = c["capacity_bytes"] or 0
     pct = f" ({100 * c['used_bytes'] / cap:.0f}%)" if cap else ""
-    t.add_row("tier 1", f"{human(c['used_bytes'])} of {human(cap)}{pct}, {c['objects']} objects "
-              f"({c.get('open_objects', 0)} open)")
-    t.add_row("cache dir", st["cache_dir"])
+    add(("tier 1", f"{human(c['used_bytes'])} of {human(cap)}{pct}, {c['objects']} objects "
+         f"({c.get('open_objects', 0)} open)"))
+    add(("cache dir", st["cache_dir"]))
     if "evictions" in c:
-        t.add_row("evictions", f"{c['evictions']} ({human(c['evicted_bytes'])}); "
-                  f"corrupt chunks dropped: {c['corrupt_chunks']}")
+        add(("evictions", f"{c['evictions']} ({human(c['evicted_bytes'])}); "
+             f"corrupt chunks dropped: {c['corrupt_chunks']}"))
     r = st.get("reads") or {}
     hit = r.get("hit_ratio")
-    t.add_row("reads", f"{human(r.get('total_bytes', 0))}: tier 1 {human(r.get('cache_bytes', 0))}, "
-              f"store {human(r.get('store_bytes', 0))}; hit ratio "
-              f"{'-' if hit is None else f'{100 * hit:.1f}%'}")
+    add(("reads", f"{human(r.get('total_bytes', 0))}: tier 1 {human(r.get('cache_bytes', 0))}, "
+         f"store {human(r.get('store_bytes', 0))}; hit ratio "
+         f"{'-' if hit is None else f'{100 * hit:.1f}%'}"))
     pt = st.get("passthrough")
     if pt:
         opens = pt.get("opens") or {}
         n_pt = sum((opens.get("passthrough") or {}).values())
         daemon = opens.get("daemon") or {}
         why = ", ".join(f"{k} {v}" for k, v in sorted(daemon.items()))
-        t.add_row("passthrough", f"{'on' if pt['enabled'] else 'off'} ({pt['reason']}); opens: "
-                  f"{n_pt} passthrough, {sum(daemon.values())} daemon"
-                  + (f" ({why})" if why else ""))
+        add(("passthrough", f"{'on' if pt['enabled'] else 'off'} ({pt['reason']}); opens: "
+             f"{n_pt} passthrough, {sum(daemon.values())} daemon" + (f" ({why})" if why else "")))
     lat = st.get("read_latency") or {}
-    t.add_row("read latency", f"p50 {_ms(lat.get('p50'))}  p95 {_ms(lat.get('p95'))}  "
-              f"p99 {_ms(lat.get('p99'))}  ({lat.get('count', 0)} reads)")
+    add(("read latency", f"p50 {_ms(lat.get('p50'))}  p95 {_ms(lat.get('p95'))}  "
+         f"p99 {_ms(lat.get('p99'))}  ({lat.get('count', 0)} reads)"))
     s = st.get("store") or {}
     reqs = s.get("requests") or {}
     req_txt = ", ".join(
@@ -124,65 +119,135 @@ def print_status(st: dict[str, Any]) -> None:
             if any(k != "ok" for k in by) else "")
         for op, by in sorted(reqs.items())
     ) or "none"
-    t.add_row("store", f"fetched {human(s.get('get_bytes', 0))}, uploaded "
-              f"{human(s.get('put_bytes', 0))}; requests: {req_txt}")
+    add(("store", f"fetched {human(s.get('get_bytes', 0))}, uploaded "
+         f"{human(s.get('put_bytes', 0))}; requests: {req_txt}"))
     shared = _shared_row(st.get("metrics") or {})
     if shared:
-        t.add_row("shared tier", shared)
+        add(("shared tier", shared))
     if s.get("engine"):
         cpu = s.get("cpu_seconds") or {}
         moved = s.get("runtime_bytes") or {}
         by_runtime = (f"the runtime moved {human(moved.get('get', 0))} in, "
                       f"{human(moved.get('put', 0))} out; " if moved else "")
-        t.add_row("transfers", f"engine {s['engine']}: {by_runtime}daemon CPU "
-                  f"{cpu.get('python', 0.0):.1f} s in {cpu.get('python_threads', 0)} Python "
-                  f"threads, {cpu.get('runtime', 0.0):.1f} s in "
-                  f"{cpu.get('runtime_threads', 0)} runtime threads (AwsEventLoop*)")
+        add(("transfers", f"engine {s['engine']}: {by_runtime}daemon CPU "
+             f"{cpu.get('python', 0.0):.1f} s in {cpu.get('python_threads', 0)} Python "
+             f"threads, {cpu.get('runtime', 0.0):.1f} s in "
+             f"{cpu.get('runtime_threads', 0)} runtime threads (AwsEventLoop*)"))
     p = st.get("pending") or {}
     if p.get("available"):
         hashing = p.get("checksums_pending") or 0
-        t.add_row("pending uploads", f"{p.get('count', 0)} files, {human(p.get('bytes', 0))}, "
-                  f"oldest {_duration(p.get('oldest_age_s')) if p.get('count') else '-'}"
-                  + (f"; checksums still being taken for {hashing}" if hashing else ""))
+        add(("pending uploads", f"{p.get('count', 0)} files, {human(p.get('bytes', 0))}, "
+             f"oldest {_duration(p.get('oldest_age_s')) if p.get('count') else '-'}"
+             + (f"; checksums still being taken for {hashing}" if hashing else "")))
     else:
-        t.add_row("pending uploads", "0 (no write path)")
+        add(("pending uploads", "0 (no write path)"))
     mem = st.get("memory") or {}
     if mem:
-        t.add_row("memory", f"{human(mem['used'])} of {human(mem['budget'])} budget in flight "
-                  f"(peak {human(mem['peak'])})")
+        add(("memory", f"{human(mem['used'])} of {human(mem['budget'])} budget in flight "
+             f"(peak {human(mem['peak'])})"))
     q = st.get("quarantined") or {}
     qn = q.get("count", 0) if isinstance(q, dict) else q
-    t.add_row("quarantined", f"{qn} file(s)" + (f" in {st['cache_dir']}/quarantine" if qn else ""))
+    add(("quarantined", f"{qn} file(s)" + (f" in {st['cache_dir']}/quarantine" if qn else "")))
     errs = st.get("errors") or {}
-    t.add_row("errors", ", ".join(f"{k} {v}" for k, v in sorted(errs.items())) or "none")
+    add(("errors", ", ".join(f"{k} {v}" for k, v in sorted(errs.items())) or "none"))
     if st.get("metrics_addr"):
-        t.add_row("metrics", st["metrics_addr"])
+        add(("metrics", st["metrics_addr"]))
+    return rows
+
+
+CLASS_COLUMNS = ("class", "attr ttl", "list ttl", "revalidate", "page cache", "write",
+                 "after close", "readahead", "direct writes")
+
+
+def class_rows(st: dict[str, Any]) -> list[tuple[str, ...]]:
+    """One row per class, in CLASS_COLUMNS order."""
+
+    def secs(v: Any) -> str:
+        return "inf" if v == "inf" else f"{float(v):g}s"
+
+    rows: list[tuple[str, ...]] = []
+    for name, cs in (st.get("classes") or {}).items():
+        is_default = name == st.get("default_class") and name != "default"
+        rows.append((name + (" (default)" if is_default else ""),
+                     secs(cs["attr_ttl"]), secs(cs["list_ttl"]),
+                     "yes" if cs["revalidate_on_open"] else "no",
+                     "keep" if cs["keep_cache"] else "drop",
+                     cs["write_mode"].replace("write", ""), _after_close(cs),
+                     human(cs["readahead_max"]),
+                     "yes" if cs.get("direct_writes") else "no"))
+    return rows
+
+
+def _rules_line(st: dict[str, Any]) -> str:
+    rules = st.get("rules") or []
+    return ("rules (first match wins): "
+            + ", ".join(f"{r['glob']} -> {r['class']}" for r in rules)) if rules else ""
+
+
+def print_status(st: dict[str, Any], console: Any = None) -> None:
+    """A table at the terminal's width (cells wrap, nothing is cut); into a pipe or
+    a log, the same rows as `name: value` lines wrapped at 80 columns. `--json` is
+    the form for scripts."""
+    from rich.console import Console
+
+    console = console or Console()
+    if not console.is_terminal:
+        _print_plain(st, console.file)
+        return
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title=f"tierfs {st['mountpoint']}", show_header=False, title_justify="left")
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column(overflow="fold")
+    for name, text in status_rows(st):
+        t.add_row(name, Text(text, style="red" if name == "state" and st["degraded"] else ""))
     console.print(t)
+    rows = class_rows(st)
+    if rows:
+        from rich.measure import Measurement
 
-    classes = st.get("classes") or {}
-    if classes:
         ct = Table(title="classes", title_justify="left")
-        for col in ("class", "attr", "list", "reval.", "pages", "write", "after close",
-                    "ahead", "direct"):
+        for col in CLASS_COLUMNS:
             ct.add_column(col, no_wrap=True)
+        for row in rows:
+            ct.add_row(*row)
+        natural = Measurement.get(console, console.options.update(max_width=10_000), ct).maximum
+        if natural <= console.width:
+            console.print(ct)
+        else:  # too narrow for the table: a block per class, as into a pipe
+            _print_classes(rows, lambda t, i, m: _wrapped(t, i, m, console.width, console.file))
+        if rules := _rules_line(st):
+            console.print(rules, highlight=False, markup=False)
 
-        def secs(v: Any) -> str:
-            return "inf" if v == "inf" else f"{float(v):g}s"
 
-        for name, cs in classes.items():
-            is_default = name == st.get("default_class") and name != "default"
-            ct.add_row(name + (" (default)" if is_default else ""),
-                       secs(cs["attr_ttl"]), secs(cs["list_ttl"]),
-                       "yes" if cs["revalidate_on_open"] else "no",
-                       "keep" if cs["keep_cache"] else "drop",
-                       cs["write_mode"].replace("write", ""), _after_close(cs),
-                       human(cs["readahead_max"]),
-                       "yes" if cs.get("direct_writes") else "no")
-        console.print(ct)
-        rules = st.get("rules") or []
-        if rules:
-            console.print("rules (first match wins): " + ", ".join(
-                f"{r['glob']} -> {r['class']}" for r in rules), highlight=False, markup=False)
+def _wrapped(text: str, indent: str, more: str, width: int, out: Any) -> None:
+    import textwrap
+
+    for line in textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=more,
+                              break_on_hyphens=False) or [indent.rstrip()]:
+        print(line, file=out)
+
+
+def _print_classes(rows: list[tuple[str, ...]], emit: Callable[[str, str, str], None]) -> None:
+    emit("classes", "", "")
+    for row in rows:
+        emit(f"{row[0]}: " + ", ".join(f"{h} {v}" for h, v in zip(CLASS_COLUMNS[1:], row[1:],
+                                                                   strict=True)), "  ", "      ")
+
+
+def _print_plain(st: dict[str, Any], out: Any, width: int = 80) -> None:
+    def emit(text: str, indent: str, more: str) -> None:
+        _wrapped(text, indent, more, width, out)
+
+    print(f"tierfs {st['mountpoint']}", file=out)
+    for name, text in status_rows(st):
+        emit(f"{name}: {text}", "  ", "      ")
+    rows = class_rows(st)
+    if rows:
+        _print_classes(rows, emit)
+        if rules := _rules_line(st):
+            emit(rules, "", "  ")
 
 
 def _after_close(cs: dict[str, Any]) -> str:

@@ -251,6 +251,10 @@ def test_metrics_move_during_a_read_and_status_agrees(
     for word in ("source", "tier 1", "hit ratio", "p50", "p99", "pending uploads",
                  "quarantined", "requests:", "get ", "manifest", "*.tar"):
         assert word in table, word
+    # Into a pipe (a log): name: value lines within 80 columns, nothing cut.
+    assert all(len(line) <= 80 for line in table.splitlines()) and "…" not in table, table
+    for name in st["classes"]:
+        assert f"\n  {name}: attr ttl " in table, name
 
 
 # -- warmup, then the store goes away ----------------------------------------------------
