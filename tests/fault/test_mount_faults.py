@@ -23,7 +23,8 @@ import pytest
 from tests.fault.conftest import flaky_rules, store_config
 from tests.fault.proxy import FaultProxy
 from tests.integration.conftest import MountFactory
-from tests.support.mount import TierfsMount, drop_page_cache, needs_root, run_tierfs
+from tests.support.marks import needs_root
+from tests.support.mount import TierfsMount, drop_page_cache, run_tierfs
 from tests.support.seaweed import SeaweedServer
 
 MiB = 1 << 20

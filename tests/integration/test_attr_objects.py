@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import MountFactory
-from tests.support.mount import TierfsMount, needs_root, run_tierfs
+from tests.support.marks import needs_root
+from tests.support.mount import TierfsMount, run_tierfs
 from tests.support.seaweed import SeaweedServer
 
 pytestmark = needs_root  # owners other than the caller's

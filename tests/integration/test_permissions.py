@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import MountFactory
-from tests.support.mount import needs_root
+from tests.support.marks import needs_root
 from tests.support.seaweed import SeaweedServer
 
 pytestmark = needs_root

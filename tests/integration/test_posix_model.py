@@ -35,7 +35,8 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import MountFactory
-from tests.support.mount import TierfsMount, needs_root, run_tierfs
+from tests.support.marks import needs_root
+from tests.support.mount import TierfsMount, run_tierfs
 
 pytestmark = needs_root  # chown to other users, mknod, a tmpfs oracle
 

@@ -15,12 +15,12 @@ import pytest
 
 from tests.fault.proxy import FaultProxy, Rule
 from tests.integration.conftest import MountFactory
+from tests.support.marks import needs_root
 from tests.support.mount import (
     TierfsMount,
     drop_page_cache,
     is_mounted,
     kill_daemon_with_open_writer,
-    needs_root,
     run_tierfs,
 )
 from tests.support.seaweed import SeaweedServer

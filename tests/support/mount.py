@@ -1,4 +1,5 @@
-"""A tierfs mount driven through the real CLI, always torn down.
+"""A tierfs mount driven through the real CLI, always torn down (no pytest here:
+bench/ and scripts/demo.py use it too).
 
 Teardown never trusts the daemon: `tierfs umount`, then `fusermount3 -u`,
 then a lazy `-uz`, then SIGKILL of the daemon's PID, so a failing test
@@ -17,8 +18,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import pytest
 
 TIERFS = [sys.executable, "-m", "tierfs"]
 # TIERFS_TEST_PASSTHROUGH=0: every mount of the tests serves reads on the daemon
@@ -111,8 +110,6 @@ def drop_page_cache() -> None:
     a test that needs it says so with `needs_root`; a failure here is a failure)."""
     subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=True)
 
-
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
 
 def kill_daemon_with_open_writer(m: TierfsMount, path: Path, nbytes: int,
