@@ -155,7 +155,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         for w in warnings:
             report(f"WARN {w}")
         report("OK")
-        # systemd Type=notify: the mount answers a stat by now (Daemon._wait_ready)
+        # systemd Type=notify: the mount answers a stat by now (mount.py: fuse.session.wait_ready)
         notify("READY=1", f"STATUS=serving {cfg.source} at {cfg.mountpoint}",
                f"MAINPID={os.getpid()}")
         if ready_fd is not None:

@@ -2,6 +2,21 @@
 
 Everything tunable is here with its default; CLI flags and the TOML config
 file override these, nothing else invents a default.
+
+Which constants are settings, and which are not (the one rule): a value a
+deployment would choose differently (a size, a timeout, a delay, a degree of
+concurrency, a class contract) is a setting, here, with its default. A
+constant elsewhere is not a setting, and is one of:
+  - a fact of a protocol or the platform (S3's 10,000 parts and 5 MiB parts,
+    NAME_MAX, a symlink's length, O_DIRECT alignment, the kernel's and
+    libfuse's versions for passthrough, on-disk format versions);
+  - the tuning of one mechanism, whose right value follows from the mechanism
+    and was measured on this machine kind, not from the deployment (batch and
+    coalescing sizes, poll and gather intervals, hash and readahead shares,
+    allocator and GC thresholds): it stays beside the code it tunes, with the
+    measurement that chose it;
+  - the pacing of the command line's output.
+A constant that turns out to differ between deployments moves here.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from tierfs.policy import Policy
 from tierfs.read.fetcher import Fetcher
 from tierfs.store.base import StoreError
 from tierfs.workers import Workers
-from tierfs.writeback.core import WriteBack
+from tierfs.writeback.pendingops import PendingOps
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class ControlOps:
         metrics: Metrics,
         workers: Workers,
         health: StoreHealth,
-        writeback: WriteBack,
+        writeback: PendingOps,
         budget: MemoryBudget,
         passthrough: Callable[[], dict[str, Any]],
         stop: trio.Event,

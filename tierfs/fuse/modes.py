@@ -209,7 +209,7 @@ class OpenModes:
                 await h.end_pass_through()
                 return Opened(inode, 0)
             assert backing_id
-            h.entry.pin_all()  # clean again at release if unwritten (SessionWrite._restore)
+            h.entry.pin_all()  # clean again at release if unwritten (WriteSession._restore)
             self._count(PASSTHROUGH, "writable")
             return Opened(inode, backing_id, (h.entry, 0))
         self.backings.acquire(inode, None)

@@ -21,6 +21,7 @@ from tierfs.namespace import Namespace, Node, join
 from tierfs.posix import OBJECT_TYPES, SYMLINK_MAX, Attrs, new_attrs
 from tierfs.store.base import StoreError
 from tierfs.writeback.core import WriteBack
+from tierfs.writeback.rename import Renames
 from tierfs.writeback.session import WriteSession
 
 
@@ -45,9 +46,10 @@ class AttrChange:
 
 
 class TreeChanges:
-    def __init__(self, ns: Namespace, wb: WriteBack) -> None:
+    def __init__(self, ns: Namespace, wb: WriteBack, renames: Renames) -> None:
         self.ns = ns
         self.wb = wb
+        self.renames = renames
 
     def _new_attrs(self, parent_inode: int, kind: int, perms: int, who: Caller,
                    rdev: int = 0) -> Attrs:
@@ -202,21 +204,21 @@ class TreeChanges:
                 self.ns.unlinking(dst)
         target = join(self.ns.get(parent_new).path, new)
         # The write path moves the namespace itself, before anything can land under
-        # the new name (writeback/core.py).
+        # the new name (writeback/rename.py).
         moved = partial(self.ns.move, parent_old, old, parent_new, new)
         if src.is_dir:
             old_key = src.key
             await self.ns.moving_dir(src, f"{target}/")
             try:
-                copied = await self.wb.rename_tree(old_key, f"{target}/", moved)
+                copied = await self.renames.rename_tree(old_key, f"{target}/", moved)
             finally:
                 self.ns.moved_dir(old_key)
         elif (self.ns.policy.settings(target).write_mode == "publish"
               and self.ns.stat(src)[0].kind == stat.S_IFREG):  # `ln -sfn`: a symlink moves
-            copied = await self.wb.publish_rename(
+            copied = await self.renames.publish_rename(
                 src.path, target, moved, if_match=(dst.etag or None) if dst is not None else None)
         else:
-            copied = await self.wb.rename_file(src.path, target, moved)
+            copied = await self.renames.rename_file(src.path, target, moved)
         for info in copied:
             await self.ns.uploaded(info.key, info)
         await self.ns.remember()

@@ -6,8 +6,8 @@ in the background (DESIGN §3.6) and tells walkahead.py of the open (a walk
 through a directory of small objects gets its next files fetched, or opened
 ahead when tier 1 holds them). `ReadPath.read` is the
 read of every handle, read-only or writable: it first waits for writes to the
-file that were acknowledged and not yet applied (`settle`: the write path's
-queued direct writes), a store known to be down fails at once for bytes tier
+file that were acknowledged and not yet applied (queued_writes.py: direct
+writes), a store known to be down fails at once for bytes tier
 1 lacks, and each read's latency is recorded.
 """
 
@@ -23,6 +23,7 @@ from tierfs.cache import Cache, ChunkCorrupt, Entry
 from tierfs.config import ClassSettings
 from tierfs.globs import glob_to_regex
 from tierfs.health import StoreHealth
+from tierfs.queued_writes import QueuedWrites
 from tierfs.read.prefetch import WholePrefetch
 from tierfs.read.prepared import PreparedOpens
 from tierfs.read.reader import Reader
@@ -54,7 +55,7 @@ class ReadPath:
         prefetch_globs: tuple[str, ...],
         prefetch_min_size: int,
         observe_latency: Callable[[float], None],
-        settle: Callable[[Entry], Awaitable[None]],
+        queued: QueuedWrites,
         walk_ahead: WalkAhead,
         kernel_reads: Callable[[], bool],
         refresh: Callable[[str], Awaitable[ObjectInfo]],
@@ -62,7 +63,7 @@ class ReadPath:
         self.reader = reader
         self.whole_prefetch = prefetch
         self.walk_ahead = walk_ahead
-        self.settle = settle
+        self.queued = queued  # writes acknowledged, not yet in tier 1
         self.refresh = refresh  # the store's current version of a key (Namespace.refresh)
         # Whether the kernel reads a verified object's tier-1 file itself (passthrough
         # on): the file's pages are then worth keeping and its bytes in memory not.
@@ -169,7 +170,7 @@ class ReadPath:
     async def read(
         self, entry: Entry, state: ReadState, off: int, size: int, settings: ClassSettings
     ) -> bytes | memoryview:
-        await self.settle(entry)
+        await self.queued.drain_entry(entry)
         started = time.perf_counter()
         if self.health.degraded and entry.state == "clean" and entry.missing_pages(off, off + size):
             # The store is known down: bytes tier 1 lacks fail at once, not after

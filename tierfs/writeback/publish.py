@@ -17,79 +17,45 @@ race is ESTALE to the writer; the rejected bytes are kept either way.
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
 import logging
 import time
 import uuid
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
-from typing import Any
 
 import trio
 
 from tierfs.cache import Entry
 from tierfs.store.base import ObjectInfo, StoreError
 from tierfs.workers import Workers
-from tierfs.writeback import records
 from tierfs.writeback.barrier import Barrier, FlushOutcome
-from tierfs.writeback.journal import Condition, Journal, PendingFile
+from tierfs.writeback.journal import Journal
+from tierfs.writeback.pending import CONFLICT, Condition, PendingFile, Waits
 from tierfs.writeback.quarantine import Conflicts
+from tierfs.writeback.records import BarrierRecords
+from tierfs.writeback.transfer import Transfer
 from tierfs.writeback.uploader import Uploader
 
 log = logging.getLogger(__name__)
-
-
-class Records:
-    """The journaled barriers of manifests not published yet: one fsynced JSON
-    file per manifest key. Blocking (run in a disk worker)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-
-    def _path(self, key: str) -> Path:
-        return self.root / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
-
-    def save(self, key: str, rid: str, barrier: list[str], cond: Condition) -> None:
-        records.save(self._path(key), {"key": key, "id": rid, "barrier": barrier,
-                                       "if_match": cond.if_match,
-                                       "if_none_match": cond.if_none_match})
-
-    def load(self) -> dict[str, dict[str, Any]]:
-        out: dict[str, dict[str, Any]] = {}
-        for rec in records.load(self.root, "publish"):
-            if isinstance(rec.get("key"), str):
-                out[rec["key"]] = rec
-        return out
-
-    def drop(self, key: str, rid: str | None = None) -> None:
-        """Forget the record of `key` (only if it is `rid`'s, when given)."""
-        path = self._path(key)
-        try:
-            if rid is not None and json.loads(path.read_text()).get("id") != rid:
-                return
-            path.unlink()
-        except (OSError, ValueError):
-            pass
 
 
 class Publisher:
     def __init__(
         self,
         uploader: Uploader,
+        transfer: Transfer,
         barrier: Barrier,
         journal: Journal,
         conflicts: Conflicts,
-        records: Records,
+        records: BarrierRecords,
         workers: Workers,
         nursery: trio.Nursery,
         *,
         conditional: bool,
-        on_dropped: Callable[[str], None],
         observe: Callable[[str, int], None],
     ) -> None:
         self.uploader = uploader
+        self.transfer = transfer
         self.barrier = barrier
         self.journal = journal
         self.conflicts = conflicts
@@ -97,7 +63,6 @@ class Publisher:
         self.workers = workers
         self.nursery = nursery
         self.conditional = conditional  # False: the store ignores conditions (plain PUTs)
-        self.on_dropped = on_dropped
         self.observe = observe
         self._waiting: dict[int, trio.CancelScope] = {}  # id(pf) -> its publish task
 
@@ -105,19 +70,19 @@ class Publisher:
 
     def retarget(self, pf: PendingFile, if_match: str | None) -> None:
         """`pf` is renamed onto a manifest whose store version is `if_match`."""
-        pf.condition = Condition(*self._condition(if_match))
+        pf.set_condition(Condition(*self._condition(if_match)))
 
     async def journal_barrier(self, pf: PendingFile, *, if_match: str | None) -> None:
-        """A manifest sealed (or renamed onto): its barrier (the uploads pending in
-        its subtree now) and condition, fsynced here. The PUT follows `submit`."""
+        """(holding pf.lock) A manifest sealed (or renamed onto): its barrier (the
+        uploads pending in its subtree now) and condition, fsynced here (a small
+        record: the manifest's state). The PUT follows `submit`."""
         waits = self.barrier.snapshot(_parent_prefix(pf.key), FlushOutcome(),
                                       exclude=frozenset({pf.key}), manifest=True)
-        if pf.condition is None:  # a later seal before the PUT keeps the first condition
-            pf.condition = Condition(*self._condition(if_match))
+        # a later seal before the PUT keeps the first condition
+        cond = pf.condition or Condition(*self._condition(if_match))
         rid = uuid.uuid4().hex
-        await self.workers.disk(self.records.save, pf.key, rid, [w.key for w, _ in waits],
-                                pf.condition)
-        pf.barrier, pf.record = waits, rid
+        await self.workers.disk(self.records.save, pf.key, rid, [w.key for w, _ in waits], cond)
+        pf.barrier_journaled(waits, rid, cond)
 
     def submit(self, pf: PendingFile) -> None:
         """The last writer of a journaled manifest is gone: publish it once its
@@ -130,8 +95,8 @@ class Publisher:
                                 pf.record, scope)
 
     async def _publish_when_ready(
-        self, pf: PendingFile, version: int, waits: list[tuple[PendingFile, int]],
-        rid: str | None, scope: trio.CancelScope,
+        self, pf: PendingFile, version: int, waits: Waits, rid: str | None,
+        scope: trio.CancelScope,
     ) -> None:
         try:
             with scope:
@@ -142,20 +107,18 @@ class Publisher:
                 del self._waiting[id(pf)]
 
     async def _published(
-        self, pf: PendingFile, version: int, waits: list[tuple[PendingFile, int]],
-        rid: str | None,
+        self, pf: PendingFile, version: int, waits: Waits, rid: str | None,
     ) -> bool:
         """Barrier, then hand `pf` to the uploader; whether its record is done with."""
         out = FlushOutcome()
         await self.barrier.wait(waits, out)
         if pf.version != version or pf.gone.is_set() or pf.sessions:
             return pf.gone.is_set()  # else written or opened again: its next close submits it
+        pf.barrier_passed()
         if out.failed:
             names = ", ".join(f["key"] for f in out.failed)
-            pf.barrier = None
             await self.uploader.refuse(pf, f"not published: the store refused {names}")
             return True
-        pf.barrier = None
         self.uploader.kick(pf)
         while not (pf.landed_version >= version or pf.gone.is_set()):
             if pf.version != version:
@@ -163,45 +126,41 @@ class Publisher:
             await self.journal.wait_change()
         return True
 
-    async def conflict(self, pf: PendingFile, entry: Entry, exc: StoreError) -> None:
-        """A background PUT lost its race: keep the bytes, say so everywhere."""
-        note = await self.workers.disk(partial(self.conflicts.keep, entry, str(exc), told=False))
-        log.error("manifest %r changed in the store before its background publish: "
-                  "not published, kept at %s", pf.key, self.conflicts.root / note.file)
-        self.observe("publish_conflict", 1)
-        pf.error = f"lost a concurrent update: kept at {self.conflicts.root / note.file}"
-        self.on_dropped(pf.key)
-        await self.workers.disk(self.records.drop, pf.key, pf.record)
-        self.journal.leave(pf, "conflict")
-
     # -- waiting for it (publish = "wait") -------------------------------------------------
 
-    async def publish(self, pf: PendingFile, entry: Entry, *, if_match: str | None) -> ObjectInfo:
-        """close/fsync of a sealed manifest: barrier, then the conditional PUT."""
+    async def publish(self, pf: PendingFile, entry: Entry, version: int, *,
+                      if_match: str | None) -> ObjectInfo:
+        """close/fsync of a sealed manifest (`version` of it): barrier, then the
+        conditional PUT, with no lock held (a release or a stat of it does not
+        wait for them); committed if it is still that version."""
         key = pf.key
         await self._barrier(key, exclude=key)
         try:
             match, none_match = self._condition(if_match)
-            info = await self.uploader.land(pf, entry, if_match=match, if_none_match=none_match)
+            info = await self.transfer.land(entry, pf=pf, version=version, if_match=match,
+                                            if_none_match=none_match)
         except StoreError as exc:
             await self.workers.disk(partial(self.conflicts.keep, entry, str(exc), told=True))
-            self.journal.leave(pf, "conflict")
+            async with pf.lock:
+                self.journal.leave(pf, CONFLICT)
             if exc.kind == "precondition":
                 log.warning("manifest %r lost a concurrent update: kept under %s, not published",
                             key, self.conflicts.root)
                 raise OSError(errno.ESTALE, f"{key}: changed in the store since it was opened") from None
             raise OSError(exc.errno or errno.EIO, str(exc)) from None
-        self.journal.landed(pf)
+        await self.uploader.commit(pf, entry, version, info)
         return info
 
-    async def publish_rename(self, src: Entry, dst: str, *, if_match: str | None) -> ObjectInfo:
+    async def publish_rename(self, src: Entry, dst: str, *, if_match: str | None,
+                             condition: Condition | None = None) -> ObjectInfo:
         """rename(tmp, manifest): the same barrier and condition for `src`'s bytes
-        under `dst` (`src` must be whole in tier 1). A lost race: ESTALE, the
-        source stays."""
+        under `dst` (`src` must be whole in tier 1): the version `if_match` the
+        renamer saw, or `condition`, that of a version of `dst` pending here that
+        the rename replaces. A lost race: ESTALE, the source stays."""
         await self._barrier(dst, exclude=src.key)
-        match, none_match = self._condition(if_match)
+        match, none_match = condition or self._condition(if_match)
         try:
-            return await self.uploader.land(None, src, key=dst, mtime=time.time(), mark_clean=False,
+            return await self.transfer.land(src, key=dst, mtime=time.time(),
                                             if_match=match, if_none_match=none_match)
         except StoreError as exc:
             if exc.kind == "precondition":

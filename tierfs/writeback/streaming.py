@@ -31,14 +31,12 @@ Rules:
 from __future__ import annotations
 
 import base64
-import contextlib
 import errno
 import hashlib
 import logging
 import weakref
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Protocol
 
 import trio
@@ -48,11 +46,11 @@ from tierfs.budget import BufferPool
 from tierfs.cache import Cache, Entry
 from tierfs.config import ClassSettings
 from tierfs.posix import ATIME, CTIME, MTIME, Attrs, upload_metadata
+from tierfs.queued_writes import QueuedWrites
 from tierfs.store.base import Store, StoreError
 from tierfs.workers import Workers
-from tierfs.writeback import records
-from tierfs.writeback.journal import Journal, PendingFile
-from tierfs.writeback.queue import QueuedWrites
+from tierfs.writeback.pending import PendingFile
+from tierfs.writeback.records import StreamRecords
 
 log = logging.getLogger(__name__)
 
@@ -132,36 +130,14 @@ def fresh(s: Stream, i: int, sums: bytes) -> str | None:
     return got[1] if got is not None and got[0] == sums else None
 
 
-class Records:
-    """Journaled upload ids: one fsynced JSON file per open stream. Blocking."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-
-    def _path(self, upload_id: str) -> Path:
-        return self.root / f"{hashlib.sha256(upload_id.encode()).hexdigest()[:32]}.json"
-
-    def save(self, key: str, upload_id: str) -> None:
-        records.save(self._path(upload_id), {"key": key, "upload_id": upload_id})
-
-    def drop(self, upload_id: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self._path(upload_id).unlink()
-
-    def load(self) -> list[tuple[str, str]]:
-        return [(str(r["key"]), str(r["upload_id"])) for r in records.load(self.root, "stream")
-                if "key" in r and "upload_id" in r]
-
-
 class Streams:
     def __init__(
-        self, store: Store, cache: Cache, journal: Journal, workers: Workers,
-        parts: BufferPool, queued: QueuedWrites, records: Records, nursery: trio.Nursery,
+        self, store: Store, cache: Cache, workers: Workers,
+        parts: BufferPool, queued: QueuedWrites, records: StreamRecords, nursery: trio.Nursery,
         *, part_size: int, parallel: int,
     ) -> None:
         self.store = store
         self.cache = cache
-        self.journal = journal
         self.workers = workers
         self.parts = parts
         self.queued = queued
