@@ -274,8 +274,8 @@ def test_close_without_fsync_survives_kill9_and_damaged_bytes_are_never_uploaded
     daemon runs, as such a crash would leave it: the next mount finds the
     mismatch, quarantines the file, uploads nothing of it, and flush names it
     and fails."""
-    cfg = tmp_path / "slow.toml"  # nothing goes up before the kill
-    cfg.write_text("[classes.default]\nupload_delay = 600\n")
+    cfg = tmp_path / "slow.toml"  # nothing goes up before the kill (`*.bin`: dataset)
+    cfg.write_text("[classes.default]\nupload_delay = 600\n[classes.dataset]\nupload_delay = 600\n")
     cache = tmp_path / "cache-nofsync"
     m = mount_factory(f"s3://{bucket}", "--config", str(cfg), cache_dir=cache)
     kept, lost = os.urandom(3 * MiB + 5), os.urandom(9 * MiB)
@@ -308,8 +308,8 @@ def test_a_crash_before_the_checksums_are_taken(
     it; an fsynced one is trusted. Neither a reboot nor the kill's timing can be
     produced here: once the daemon is dead, the test stamps the files' markers
     as such a crash leaves them (Index.mark_unhashed; another boot's id for two)."""
-    cfg = tmp_path / "slow.toml"  # nothing goes up before the kill
-    cfg.write_text("[classes.default]\nupload_delay = 600\n")
+    cfg = tmp_path / "slow.toml"  # nothing goes up before the kill (`*.bin`: dataset)
+    cfg.write_text("[classes.default]\nupload_delay = 600\n[classes.dataset]\nupload_delay = 600\n")
     cache = tmp_path / "cache-unhashed"
     m = mount_factory(f"s3://{bucket}", "--config", str(cfg), cache_dir=cache)
     bodies = {name: os.urandom(12 * MiB + i) for i, name in enumerate(

@@ -11,7 +11,7 @@ import trio
 
 from tierfs.budget import MemoryBudget
 from tierfs.cache import Cache, Entry
-from tierfs.writeback.queue import COALESCE, QueuedWrites, WriteQueue
+from tierfs.queued_writes import COALESCE, QueuedWrites, WriteQueue
 
 KiB = 1 << 10
 
