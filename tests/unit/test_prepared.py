@@ -20,9 +20,11 @@ import trio.testing
 from tests.unit.conftest import SMALL_CHUNK
 from tests.unit.test_reader import Recorded, make_reader
 from tests.unit.test_walkahead import directory, walk_ahead
+from tierfs.budget import MemoryBudget
 from tierfs.cache import Cache, Entry
 from tierfs.config import DEFAULT_CLASSES
 from tierfs.health import StoreHealth
+from tierfs.queued_writes import QueuedWrites
 from tierfs.read.handles import ReadPath
 from tierfs.read.prefetch import WholePrefetch
 from tierfs.read.prepared import TTL_S, PreparedOpens
@@ -63,7 +65,7 @@ def read_path(store: Recorded, cache: Cache, n: trio.Nursery, children: dict[str
               infos: dict[int, ObjectInfo]) -> ReadPath:
     path = ReadPath(reader := make_reader(store, n), cache, Workers(data=1, upload=1, meta=1, disk=2),
                     StoreHealth(probe_every=5.0), WholePrefetch(reader.fetcher, n, parallel=1), prefetch_globs=(), prefetch_min_size=1 << 30,
-                    observe_latency=lambda s: None, settle=no_settle,
+                    observe_latency=lambda s: None, queued=no_writes(n),
                     walk_ahead=walk_ahead(store, cache, n, children, infos),
                     kernel_reads=lambda: True,
                     refresh=partial(trio.to_thread.run_sync, store.store.head))
@@ -71,8 +73,13 @@ def read_path(store: Recorded, cache: Cache, n: trio.Nursery, children: dict[str
     return path
 
 
-async def no_settle(entry: object) -> None:
-    """Reads are not this test's business."""
+def no_writes(nursery: trio.Nursery) -> QueuedWrites:
+    """Direct writes queued before a read (none here: reads are this test's business)."""
+
+    async def never(entry: object, offset: int, data: bytes) -> None:
+        raise AssertionError("no write is queued in this test")
+
+    return QueuedWrites(nursery, never, 1 << 20, MemoryBudget(1 << 30))
 
 
 async def until(cond: Callable[[], bool]) -> None:

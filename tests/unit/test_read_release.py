@@ -20,8 +20,10 @@ import trio.testing
 
 from tests.unit.test_reader import Recorded, make_reader
 from tests.unit.test_walkahead import directory, walk_ahead
+from tierfs.budget import MemoryBudget
 from tierfs.cache import Cache, Entry
 from tierfs.health import StoreHealth
+from tierfs.queued_writes import QueuedWrites
 from tierfs.read.handles import RELEASE_GATHER_S, ReadPath
 from tierfs.read.prefetch import WholePrefetch
 from tierfs.workers import Workers
@@ -34,8 +36,13 @@ def store(tmp_path: Path) -> Recorded:
     return Recorded(root)
 
 
-async def no_settle(entry: Entry) -> None:
-    """Reads are not this test's business (a ReadPath waits here before one)."""
+def no_writes(nursery: trio.Nursery) -> QueuedWrites:
+    """Direct writes queued before a read (none here: reads are this test's business)."""
+
+    async def never(entry: object, offset: int, data: bytes) -> None:
+        raise AssertionError("no write is queued in this test")
+
+    return QueuedWrites(nursery, never, 1 << 20, MemoryBudget(1 << 30))
 
 
 async def gathered(landed: trio.Event, clock: trio.testing.MockClock) -> None:
@@ -70,7 +77,7 @@ async def test_closes_of_a_walk_share_one_release(
         w = walk_ahead(store, cache, n, children, infos)
         path = ReadPath(reader := make_reader(store, n), cache, Workers(data=1, upload=1, meta=1, disk=1),
                         StoreHealth(probe_every=5.0), WholePrefetch(reader.fetcher, n, parallel=1), prefetch_globs=(), prefetch_min_size=1 << 30,
-                        observe_latency=lambda s: None, settle=no_settle, walk_ahead=w,
+                        observe_latency=lambda s: None, queued=no_writes(n), walk_ahead=w,
                         kernel_reads=lambda: False,
                         refresh=partial(trio.to_thread.run_sync, store.store.head))
         n.start_soon(path.run)
