@@ -26,6 +26,7 @@ import pytest
 
 from tests.unit.model_kernel import Kernel, config, harness_mount
 from tierfs.mount import Parts
+from tierfs.namespace.dirattrs import NAME as ATTRS_OBJECT
 
 SEEDS = (11, 23, 37, 41, 59)
 OPS = 2000
@@ -268,7 +269,7 @@ class Model:
         want = self.oracle.files()
         open_now = {rel for rel in want if (self.oracle.root / rel).stat().st_ino in held}
         got = {str(p.relative_to(self.store)): p.read_bytes() for p in self.store.rglob("*")
-               if p.is_file() and not p.name.startswith(".tierfs-")}
+               if p.is_file() and not p.name.startswith(".tierfs-") and p.name != ATTRS_OBJECT}
         for rel in sorted((want.keys() | got.keys()) - open_now):
             if got.get(rel) != want.get(rel):
                 g, w = got.get(rel), want.get(rel)
