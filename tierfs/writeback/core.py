@@ -84,14 +84,15 @@ class WriteBack:
         pf.take_attrs(attrs)
         async with self.life.changing(pf):
             entry = await self.tier1.open(key, "", 0, now)
+            had_bytes = pf.local
+            pf.mark_written()  # before the bytes change: an upload reading them commits nothing
             try:
                 await self.tier1.write(entry.truncate, 0)
             except BaseException:
                 await self.tier1.release(entry)
-                if not pf.sessions and not pf.local:
+                if not pf.sessions and not had_bytes:
                     self.journal.leave(pf, DROPPED)
                 raise
-            pf.mark_written()
             pf.touched(0, attrs.mtime_ns)
         return self._session(pf, entry, inode=inode, flags=flags, keep_cache=True,
                              base_etag=None, dirty=True)
@@ -180,8 +181,8 @@ class WriteBack:
         entry = await self.tier1.open(prefix, "", 0, now)
         try:
             async with self.life.changing(pf):
-                await self.workers.disk(entry.truncate, 0)
                 pf.mark_written()
+                await self.workers.disk(entry.truncate, 0)
                 await self.life.seal(pf, entry)
         finally:
             await self.tier1.release(entry)

@@ -239,10 +239,10 @@ class WriteSession:
                 return
             self._pristine = None
             await self._make_local(min(size, self.entry.size))
+            pf.mark_written()  # before the bytes change: an upload reading them commits nothing
+            self.dirty = True
             await self._tier1.write(self.entry.truncate, size)
             self._life.truncated(pf)
-            pf.mark_written()
-            self.dirty = True
             pf.touched(size)
             if self.backing_fd is not None:  # stat shows this truncate's time, not the file's
                 st = os.fstat(self.backing_fd)
