@@ -37,14 +37,37 @@ def test_a_pending_file_moves_only_along_its_transitions() -> None:
     with pytest.raises(BadTransition):
         pf.mark_resumed(1)  # only a record found at start-up is resumed
     pf.mark_sealed(10)
-    assert (pf.state, pf.size, pf.version) == (FileState.SEALED, 10, 0)
+    assert (pf.state, pf.size, pf.version) == (FileState.SEALED, 10, 1)
     pf.mark_written()  # written again: the sealed version is superseded
-    assert pf.version == 1
+    assert pf.version == 2
     pf.mark_sealed(12)
-    assert not journal.landed(pf, 0)  # an upload of the old version lands nothing
+    assert not journal.landed(pf, 1)  # an upload of the old version lands nothing
     assert pf.state is FileState.SEALED and journal.get("a") is pf
-    assert journal.landed(pf, 1)
+    assert journal.landed(pf, 2)
     assert pf.state is FileState.GONE and pf.outcome == LANDED and journal.get("a") is None
+
+
+def test_a_version_written_after_one_landed_is_a_new_one() -> None:
+    """A writer holds the file while its last version lands, then writes and closes
+    again: the new version has its own number, so a flush waiting for it does
+    not take the landing before for its own (the model harness found this)."""
+    journal = Journal()
+    pf = journal.track("a", 0, 0.0)
+    pf.opened(_Closed())
+    pf.mark_written()
+    pf.mark_sealed(1)
+    landed = pf.version
+    assert journal.landed(pf, landed) and pf.state is FileState.STORED  # a writer holds it
+    pf.mark_written()
+    pf.mark_sealed(2)
+    assert pf.version > pf.landed_version == landed
+
+
+class _Closed:
+    closed = True
+
+    def observe(self) -> None:
+        pass
 
 
 def test_a_failed_close_leaves_a_file_that_never_lands() -> None:

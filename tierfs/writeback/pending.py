@@ -14,8 +14,10 @@ WRITTEN is a dirty record, SEALED and UNSAVED a sealed one, STORED a clean
 one (or none yet). The write path changes the record and the state together,
 under the file's lock; a transition here never does I/O.
 
-`version` counts seals superseded by a write: an upload or a publish that ran
-outside the lock checks it after, and lands nothing it did not read.
+`version` numbers the file's versions (each write after a seal, or after it
+landed, begins one): an upload or a publish that ran outside the lock checks
+it after, and lands nothing it did not read; a flush waits for the version
+closed when it began.
 """
 
 from __future__ import annotations
@@ -140,7 +142,7 @@ class PendingFile:
         # round trip in os.replace's time: 0.04-0.28 s while a checkpoint uploads).
         self.fresh = False
         self.sealed_at: float | None = None  # monotonic; set while sealed
-        self.version = 0  # bumped whenever a sealed file is written again
+        self.version = 0  # bumped whenever it is written again after a seal or a landing
         self.landed_version = -1  # the version last seen in the store
         self.sessions: set[Writer] = set()  # writable handles open on it
         self._writing = 0  # writes applying their bytes, with the lock let go
@@ -198,10 +200,13 @@ class PendingFile:
         self._changed()
 
     def mark_written(self) -> None:
-        """Its bytes change (the record turns dirty): a sealed version is superseded."""
+        """Its bytes change (the record turns dirty): a new version begins. Every
+        version gets its own number, also one written after the last landed while
+        a writer held the file: a flush waiting for it must not take the landing
+        of the one before for its own."""
         if self.state is FileState.GONE:
             return  # an unlinked file's descriptors write on; nothing of it is kept
-        if self.sealed:
+        if self.state is not FileState.WRITTEN:
             self.version += 1
         self.sealed_at = None
         self._to(FileState.WRITTEN, FileState.STORED, FileState.WRITTEN, FileState.SEALED,
