@@ -290,10 +290,11 @@ class Uploader:
         async with pf.lock:
             if pf.version != version or pf.state is not FileState.SEALED:
                 return False
-            if entry.state == "sealed":
-                await self.events.emit(Landed(info.key, info))
-                await self.workers.disk(
-                    partial(entry.set_state, "clean", etag=info.etag, mtime=info.mtime))
+            with trio.CancelScope(shield=True):  # all three, or none: a stop waits for them
+                if entry.state == "sealed":
+                    await self.events.emit(Landed(info.key, info))
+                    await self.workers.disk(
+                        partial(entry.set_state, "clean", etag=info.etag, mtime=info.mtime))
             return self.journal.landed(pf, version)
 
     async def refuse(self, pf: PendingFile, reason: str, kind: str = REFUSED_NOTE) -> None:
