@@ -56,7 +56,14 @@ from tierfs.store.base import (
 from tierfs.store.crt import MIN_MEMORY, CrtEngine
 from tierfs.store.retry import Failure, call_with_retries
 from tierfs.store.s3errors import classify
-from tierfs.store.s3get import META_PREFIX, RangedGet, lower_metadata, quote_etag, strip_etag
+from tierfs.store.s3get import (
+    META_PREFIX,
+    RangedGet,
+    file_writer,
+    lower_metadata,
+    quote_etag,
+    strip_etag,
+)
 
 log = logging.getLogger("tierfs.store")
 
@@ -172,25 +179,11 @@ class S3Store:
         self._probe_lock = threading.Lock()
         self.engine: CrtEngine | None = None
         if engine == "crt":
-            self.engine = self._make_engine(connect_timeout, memory_limit)
-
-    def _make_engine(self, connect_timeout: float, memory_limit: int) -> CrtEngine:
-        """The runtime client, on the botocore client's endpoint, region and
-        (refreshable) credentials, with as many connections as botocore's pool."""
-        with self._session_lock:
-            credentials = self._session.get_credentials()
-            ca_file = self._session._session.get_config_variable("ca_bundle")
-        return CrtEngine(
-            self._client.meta.endpoint_url,
-            self.bucket,
-            region=self._client.meta.region_name,
-            credentials=credentials,
-            part_size=self.part_size,
-            memory_limit=memory_limit,
-            max_connections=self.max_connections,
-            connect_timeout=min(self._connect_timeout, self.deadline),
-            ca_file=ca_file or os.environ.get("REQUESTS_CA_BUNDLE"),
-        )
+            with self._session_lock:
+                self.engine = s3client.crt_engine(
+                    self._session, self._client, self.bucket, part_size=self.part_size,
+                    memory_limit=memory_limit, max_connections=self.max_connections,
+                    connect_timeout=min(connect_timeout, self.deadline))
 
     def _make_client(self, connect_timeout: float, read_timeout: float) -> BaseClient:
         with self._session_lock:
@@ -347,15 +340,8 @@ class S3Store:
             raise StoreError("get_range_to_file needs the crt engine", errno_=errno.EINVAL,
                              kind="invalid")
 
-        def put(i: int, piece: bytes) -> None:
-            view = memoryview(piece)
-            pos = start + i
-            while view:
-                n = os.pwrite(fd, view, pos)
-                view, pos = view[n:], pos + n
-            on_piece(start + i, piece)
-
-        return self._get(key, start, length, etag, lambda _size: memoryview(b""), put)
+        return self._get(key, start, length, etag, lambda _size: memoryview(b""),
+                         file_writer(fd, start, on_piece))
 
     def _get(
         self, key: str, start: int, length: int, etag: str | None,

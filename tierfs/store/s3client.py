@@ -3,6 +3,7 @@ makes before it starts (endpoint, bucket and credentials, in a few seconds)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -14,6 +15,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from tierfs.store.base import RequestObserver, StoreError
+from tierfs.store.crt import CrtEngine
 from tierfs.store.retry import Failure, call_with_retries, time_left
 
 CHECK_DEADLINE = 5.0  # check() gives up on an unreachable endpoint after about this long
@@ -101,3 +103,23 @@ def check(
         raise StoreError(msg, errno_=exc.errno, kind=kind) from exc.__cause__
     finally:
         client.close()
+
+
+def crt_engine(
+    session: boto3.session.Session, client: BaseClient, bucket: str, *, part_size: int,
+    memory_limit: int, max_connections: int, connect_timeout: float,
+) -> CrtEngine:
+    """The runtime client on `client`'s endpoint and region and `session`'s
+    (refreshable) credentials and CA bundle (the caller holds the session's lock)."""
+    ca_file = session._session.get_config_variable("ca_bundle")
+    return CrtEngine(
+        client.meta.endpoint_url,
+        bucket,
+        region=client.meta.region_name,
+        credentials=session.get_credentials(),
+        part_size=part_size,
+        memory_limit=memory_limit,
+        max_connections=max_connections,
+        connect_timeout=connect_timeout,
+        ca_file=ca_file or os.environ.get("REQUESTS_CA_BUNDLE"),
+    )

@@ -11,6 +11,7 @@ mixed) and the caller's buffer, sized by the first answer. Each attempt is
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -162,6 +163,23 @@ class RangedGet:
             return self.done, got
         finally:
             body.close()
+
+
+def file_writer(
+    fd: int, start: int, on_piece: Callable[[int, bytes], None]
+) -> Callable[[int, bytes], None]:
+    """A RangedGet `put` for a range starting at object offset `start`: each piece
+    written into `fd` at its object offset, then shown to `on_piece`."""
+
+    def put(i: int, piece: bytes) -> None:
+        view = memoryview(piece)
+        pos = start + i
+        while view:
+            n = os.pwrite(fd, view, pos)
+            view, pos = view[n:], pos + n
+        on_piece(start + i, piece)
+
+    return put
 
 
 def _range_length(content_range: str) -> int:
