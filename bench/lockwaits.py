@@ -14,7 +14,10 @@ source tree in the same run, alternating, plus a local ext4 reference:
            100 Mbit/s link (tc on lo for the store's port: --store-rate), so the
            close waits ~5 s for its upload; meanwhile fstat and O_DIRECT 4 KiB
            reads of the same file through another descriptor, and truncate(2)
-           of another (write-back) file. Latencies during the close.
+           of two other write-back files: a checkpoint (each truncate meets
+           that file's own upload in flight) and a dataset file (nothing of
+           its own in flight: only what the close holds up). Latencies during
+           the close.
 
 Prints p50/p99 per kind and tree, the load average, and writes JSON; the
 mount's waits for a file's lock (all, and while that file uploaded: `tierfs
@@ -151,9 +154,12 @@ def seal_scene(root: Path, size: int, wait_checksums: Any) -> dict[str, Any]:
 
 def through_scene(root: Path, size: int) -> dict[str, Any]:
     """In `root`: a close that uploads (write-through) and what waits meanwhile."""
-    path, other = root / "out.txt", root / "other.pt"
-    with open(other, "wb") as f:
-        f.write(os.urandom(MiB))
+    # Two other files truncated meanwhile: a checkpoint (uploads at once, so each
+    # truncate meets its own upload in flight) and a dataset file (its quiet
+    # delay outlasts the 2 ms between truncates: nothing of its own in flight).
+    path, other, quiet = root / "out.txt", root / "other.pt", root / "other.bin"
+    for f in (other, quiet):
+        f.write_bytes(os.urandom(MiB))
     data = os.urandom(size)
     wf = open(path, "wb")  # noqa: SIM115 (closed below, timed)
     wf.write(data)
@@ -170,7 +176,10 @@ def through_scene(root: Path, size: int) -> dict[str, Any]:
     def cut() -> None:
         os.truncate(other, MiB - 4096 * (next(sizes) % 2))
 
-    loops = [Loop(stat_read, 0.002), Loop(cut, 0.002)]
+    def cut_quiet() -> None:
+        os.truncate(quiet, MiB - 4096 * (next(sizes) % 2))
+
+    loops = [Loop(stat_read, 0.002), Loop(cut, 0.002), Loop(cut_quiet, 0.002)]
     for lp in loops:
         lp.start()
     try:
@@ -181,10 +190,11 @@ def through_scene(root: Path, size: int) -> dict[str, Any]:
     finally:
         with contextlib.suppress(OSError):
             wf.close()
-        stats, cuts = (lp.finish() for lp in loops)
+        stats, cuts, quiet_cuts = (lp.finish() for lp in loops)
         os.close(rfd)
     return {"close_s": end - start, "fstat_read": summary(during(stats, start, end)),
-            "truncate_other": summary(during(cuts, start, end))}
+            "truncate_other": summary(during(cuts, start, end)),
+            "truncate_quiet": summary(during(quiet_cuts, start, end))}
 
 
 def lock_waits(m: TierfsMount) -> tuple[int, int] | None:
@@ -268,7 +278,7 @@ def main() -> None:
                         trees={k: str(v) for k, v in trees.items()})
         print(f"\nload average now {os.getloadavg()}")
         for scene, kinds in (("seal", ("read", "lookup")),
-                             ("through", ("fstat_read", "truncate_other"))):
+                             ("through", ("fstat_read", "truncate_other", "truncate_quiet"))):
             for name in [*trees, "local"]:
                 runs = out[name][scene]
                 if not runs:
