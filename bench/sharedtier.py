@@ -33,6 +33,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import queue
 import re
 import shutil
 import subprocess
@@ -86,8 +87,8 @@ def _load(paths: list[str], start: Any, out: Any, tag: int) -> None:
             assert sum(a.nbytes for a in tensors.values()) > 0
             del tensors
         out.put((tag, time.perf_counter() - t, None))
-    except OSError as exc:  # a node whose daemon was killed
-        out.put((tag, time.perf_counter() - t, str(exc)))
+    except Exception as exc:  # a node whose daemon was killed (OSError, SafetensorError)
+        out.put((tag, time.perf_counter() - t, f"{type(exc).__name__}: {exc}"))
 
 
 def load_together(nodes: list[list[str]]) -> tuple[dict[int, float], dict[int, str]]:
@@ -101,8 +102,14 @@ def load_together(nodes: list[list[str]]) -> tuple[dict[int, float], dict[int, s
     start.set()
     walls: dict[int, float] = {}
     errors: dict[int, str] = {}
-    for _ in ps:
-        tag, wall, err = out.get()
+    while len(walls) < len(ps):
+        try:
+            tag, wall, err = out.get(timeout=1)
+        except queue.Empty:
+            for i, p in enumerate(ps):  # a loader that died without a word
+                if i not in walls and p.exitcode is not None and out.empty():
+                    walls[i], errors[i] = float("nan"), f"loader exited {p.exitcode}"
+            continue
         walls[tag] = wall
         if err is not None:
             errors[tag] = err
@@ -290,6 +297,10 @@ def main() -> None:
         ])
 
 
+def said(run: int, res: dict[str, list[float]], *keys: str) -> None:
+    print(f"run {run}: " + ", ".join(f"{k} {res[k][-1]:.3g}" for k in keys), flush=True)
+
+
 def one_run(run: int, b: Bench, herd: Herd, sc: Any, proxy: FaultProxy, tc_sent: Any,
             size: int, args: Any, res: dict[str, list[float]],
             checks: dict[str, list[bool]]) -> None:
@@ -300,6 +311,7 @@ def one_run(run: int, b: Bench, herd: Herd, sc: Any, proxy: FaultProxy, tc_sent:
     walls, _ = load_together([herd.paths(m)])
     res["alone_s"].append(walls[0])
     herd.done([m])
+    said(run, res, "alone_s")
 
     # herd
     prefix = f"run{run}"
@@ -313,6 +325,7 @@ def one_run(run: int, b: Bench, herd: Herd, sc: Any, proxy: FaultProxy, tc_sent:
     res["herd_origin_gib"].append(origin_bytes(ms) / GiB)
     checks["herd"].append(not errors and all(herd.verified(m) for m in ms))
     herd.done(ms)
+    said(run, res, "herd_slowest_s", "herd_vs_alone", "herd_origin_gib", "herd_tc_origin_gib")
 
     # fifth node, and boto3 GETs of the same bytes from the shared tier
     m5 = herd.mount(prefix)
@@ -327,6 +340,7 @@ def one_run(run: int, b: Bench, herd: Herd, sc: Any, proxy: FaultProxy, tc_sent:
     assert got == size, (got, size)
     res["fifth_boto_s"].append(secs)
     res["fifth_vs_boto"].append(res["fifth_s"][-1] / secs)
+    said(run, res, "fifth_s", "fifth_origin_bytes", "fifth_boto_s", "fifth_vs_boto")
 
     # a corrupt block: overwritten by boto3, its metadata kept
     key, bsize = blocks[len(blocks) // 2]
@@ -335,10 +349,11 @@ def one_run(run: int, b: Bench, herd: Herd, sc: Any, proxy: FaultProxy, tc_sent:
     mc = herd.mount(prefix)
     drop_caches()
     load_together([herd.paths(mc)])
-    res["corrupt_detected"].append(mc.metric("tierfs_shared_corrupt_blocks"))
+    res["corrupt_detected"].append(mc.metric("tierfs_shared_corrupt_blocks_total"))
     res["corrupt_origin_mib"].append(origin_bytes([mc]) / MiB)
     checks["corrupt"].append(herd.verified(mc))
     herd.done([mc])
+    said(run, res, "corrupt_detected", "corrupt_origin_mib")
 
     # the claimer killed with -9 mid-fetch
     kprefix = f"kill{run}"
@@ -357,6 +372,7 @@ def one_run(run: int, b: Bench, herd: Herd, sc: Any, proxy: FaultProxy, tc_sent:
     checks["kill"].append(len(killed) == 1 and not set(errors) - set(killed)
                           and all(herd.verified(ms[i]) for i in survivors))
     herd.done(ms)
+    said(run, res, "kill_survivors_slowest_s", "kill_extra_s", "kill_origin_gib")
 
     # a shared tier without conditional writes (behind the proxy)
     ms = [herd.mount(f"nocond{run}", proxy.endpoint) for _ in range(n)]
@@ -366,7 +382,8 @@ def one_run(run: int, b: Bench, herd: Herd, sc: Any, proxy: FaultProxy, tc_sent:
     res["nocond_origin_gib"].append(origin_bytes(ms) / GiB)
     checks["nocond"].append(not errors and all(herd.verified(m) for m in ms))
     herd.done(ms)
-    print(f"run {run}: " + ", ".join(f"{k} {v[-1]:.3g}" for k, v in res.items() if v), flush=True)
+    said(run, res, "nocond_slowest_s", "nocond_origin_gib")
+    print(f"run {run}: checks {checks}; load {os.getloadavg()}", flush=True)
 
 
 if __name__ == "__main__":

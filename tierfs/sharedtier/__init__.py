@@ -3,7 +3,7 @@ origin (DESIGN §1b), so that a herd of nodes reading one model costs the origin
 one copy.
 
   blocks.py  block names (origin identity, key, ETag, block size, index) and
-             their checksums (SHA-256, or HMAC-SHA-256 with a fleet secret)
+             their checksums (xxh3-128, or HMAC-SHA-256 with a fleet secret)
   claims.py  claims and leases: single-flight across nodes through the
              store's conditional create, with takeover when a lease runs out
   tier.py    SharedTier: the source the read path's fetcher asks per block

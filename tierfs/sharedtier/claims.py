@@ -3,8 +3,9 @@
 A node missing a block asks the shared tier; if the block is not there (or does
 not verify) it tries to claim it: a conditional create (`If-None-Match: *`) of a
 small claim object beside the block. The one node that creates it fetches the
-block from the origin, puts it, and deletes the claim. Every other node polls
-for the block with bounded backoff, and:
+block from the origin, puts it, and deletes the claim. Every other node looks
+for the block with bounded backoff (50 ms doubling to 250 ms), at the claim
+about once a second, and:
 
 - takes the block as soon as it appears and verifies;
 - claims it itself if the claim disappears without a block (the claimer's
@@ -53,9 +54,10 @@ Runner = Callable[..., Awaitable[Any]]
 # The rest of the fetch chain (the origin): fills the view, returns the bytes read.
 Origin = Callable[[memoryview], Awaitable[int]]
 
-POLL_FIRST = 0.02  # seconds before a waiter's first look
+POLL_FIRST = 0.05  # seconds before a waiter's first look for the block
 POLL_MAX = 0.25  # its longest pause: a block is taken at most this late
-POLL_GROWTH = 1.5
+POLL_GROWTH = 2.0
+CLAIM_EVERY = 1.0  # seconds between looks at the claim waited on (released? taken over?)
 # Wall-clock slack before a claim's Last-Modified alone (not this node's own
 # wait) counts as expired: clocks of nodes and store may differ this much.
 CLOCK_SKEW = 5.0
@@ -136,7 +138,8 @@ class BlockFlight:
         name, claim = self.blocks.name(ref), self.blocks.claim_name(ref)
         bad: tuple[str, str | None] | None = None  # a block object that did not verify
         waited_on: str | None = None  # ETag of the claim this node waits on
-        waiting_since = 0.0
+        seen: ObjectInfo | None = None  # that claim, as last looked at
+        waiting_since = looked = 0.0
         pause = POLL_FIRST
         while True:
             info = await self._head(name)
@@ -148,33 +151,38 @@ class BlockFlight:
                 self.counts.misses += 1
             if not self.conditional:
                 return await self._fetch(ref, name, buf, origin, claim=None)
-            seen = None if waited_on is None else await self._head(claim)
-            if seen is None:
-                held = await self._create_claim(claim)
-                if held is not None:
-                    if await self._landed_meanwhile(ref, name, buf, bad):
-                        await self._release(claim, held)
-                        return Outcome.HIT
-                    return await self._fetch(ref, name, buf, origin, claim=held)
-                seen = await self._head(claim)
-                if seen is None:  # released in between: look for the block again
-                    continue
             now = self._now()
-            if seen.etag != waited_on:  # a claim made (or taken over) since: its own lease
-                if waited_on is None:
-                    self.counts.claims_lost += 1
-                waited_on, waiting_since = seen.etag, now
-            stale = self._wall() - seen.mtime > self.lease + CLOCK_SKEW
-            if stale or now - waiting_since >= self.lease:
-                self.counts.claims_expired += 1
-                held = await self._take_over(claim, seen.etag)
-                if held is _REFUSED:  # no If-Match here: each waiter fetches for itself
-                    return await self._fetch(ref, name, buf, origin, claim=None)
-                if held is not None:
-                    log.info("shared block %s: a claim made at %s UTC outlived its lease; "
-                             "taken over", name, time.strftime("%H:%M:%S", time.gmtime(seen.mtime)))
-                    return await self._fetch(ref, name, buf, origin, claim=held)
-                continue  # another waiter took it over: wait for that one
+            if seen is None or now - looked >= CLAIM_EVERY or now - waiting_since >= self.lease:
+                # The claim is looked at now and then, not at every look for the block.
+                seen = None if waited_on is None else await self._head(claim)
+                if seen is None:
+                    held = await self._create_claim(claim)
+                    if held is not None:
+                        if await self._landed_meanwhile(ref, name, buf, bad):
+                            await self._release(claim, held)
+                            return Outcome.HIT
+                        return await self._fetch(ref, name, buf, origin, claim=held)
+                    seen = await self._head(claim)
+                    if seen is None:  # released in between: look for the block again
+                        continue
+                now = looked = self._now()
+                if seen.etag != waited_on:  # a claim made (or taken over) since: its own lease
+                    if waited_on is None:
+                        self.counts.claims_lost += 1
+                    waited_on, waiting_since = seen.etag, now
+                stale = self._wall() - seen.mtime > self.lease + CLOCK_SKEW
+                if stale or now - waiting_since >= self.lease:
+                    self.counts.claims_expired += 1
+                    held = await self._take_over(claim, seen.etag)
+                    if held is _REFUSED:  # no If-Match here: each waiter fetches for itself
+                        return await self._fetch(ref, name, buf, origin, claim=None)
+                    if held is not None:
+                        log.info("shared block %s: a claim made at %s UTC outlived its lease; "
+                                 "taken over", name,
+                                 time.strftime("%H:%M:%S", time.gmtime(seen.mtime)))
+                        return await self._fetch(ref, name, buf, origin, claim=held)
+                    seen = None  # another waiter took it over: wait for that one
+                    continue
             self.counts.polls += 1
             await trio.sleep(min(pause, waiting_since + self.lease - now))
             pause = min(pause * POLL_GROWTH, POLL_MAX)

@@ -101,7 +101,7 @@ def open_shared(cfg: MountConfig, observer: RequestObserver, max_connections: in
                             "every node fetches each block from the origin itself (no "
                             "single-flight across nodes)")
     if secret is None:
-        log.info("shared cache %s: blocks verified by SHA-256 (integrity only; a "
+        log.info("shared cache %s: blocks verified by xxh3-128 (integrity only; a "
                  "[shared] secret_file also authenticates them)", store.url)
     for w in warnings:
         log.warning("%s", w)
