@@ -95,7 +95,7 @@ class KeptListings:
         if prefix in self._drop or prefix in self._dropping:
             return None
         try:
-            kept = await self.workers.disk(self.cache.kept_listing, prefix)
+            kept = await self.workers.disk(self.cache.listings.kept, prefix)
         except OSError as exc:
             self._warn(f"cannot read a kept listing: {exc}")
             return None
@@ -113,7 +113,7 @@ class KeptListings:
         if ttl <= 0 or self.generation(prefix) != generation:
             return
         try:
-            await self.workers.disk(self.cache.keep_listing, prefix, listing, taken)
+            await self.workers.disk(self.cache.listings.keep, prefix, listing, taken)
         except OSError as exc:
             self._warn(f"cannot keep a listing of {prefix!r}: {exc}")
 
@@ -125,7 +125,7 @@ class KeptListings:
             batch, self._drop = self._drop, set()
             self._dropping |= batch
             try:
-                await self.workers.disk(self.cache.drop_listings, sorted(batch))
+                await self.workers.disk(self.cache.listings.drop, sorted(batch))
             except OSError as exc:
                 self._warn(f"cannot drop kept listings: {exc}")
                 self._drop |= batch  # hidden meanwhile; tried again in a second

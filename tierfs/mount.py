@@ -239,6 +239,7 @@ async def build(p: Prepared, nursery: trio.Nursery, stop: trio.Event) -> Parts:
     nursery.start_soon(health.watch, partial(workers.meta, store.check))
     nursery.start_soon(kept.run)
     nursery.start_soon(ns.objects.run)
+    nursery.start_soon(cache.evictor.run, workers.disk)  # eviction beside the fills
     nursery.start_soon(walk_ahead.run)
     nursery.start_soon(reads.run)
     await Recovery(journal, cache, policy, workers, quarantine, uploader, publisher,
@@ -319,7 +320,7 @@ def _apply_write(workers: Workers) -> Callable[[Entry, int, bytes], Awaitable[No
     """How a queued direct write reaches tier 1: Entry.write in a disk worker."""
 
     async def apply(entry: Entry, offset: int, data: bytes) -> None:
-        await workers.disk(entry.write, offset, data)
+        await workers.disk(entry.local.write, offset, data)
 
     return apply
 

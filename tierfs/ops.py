@@ -389,7 +389,7 @@ class ControlOps:
         def progress_now() -> dict[str, Any]:
             partial = 0
             for e in list(active.values()):
-                partial += e.size - sum(b - a for a, b in e.missing(0, e.size))
+                partial += e.size - sum(b - a for a, b in e.serve.missing(0, e.size))
             return {
                 "event": "progress",
                 "done_bytes": done["bytes"] + partial,

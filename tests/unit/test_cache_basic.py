@@ -28,16 +28,16 @@ def test_store_read_round_trip(tmp_path: Path) -> None:
     c = new_cache(tmp_path / "c")
     data = blob(5 * CS + 123)
     e = c.open("a/b.bin", "e1", len(data), 1.0)
-    e.store(0, data[: 2 * CS])
-    e.store(2 * CS, data[2 * CS :])
-    assert e.read(0, len(data)) == data
-    assert e.read(CS - 7, 20) == data[CS - 7 : CS + 13]
-    assert e.read(len(data) - 10, 100) == data[-10:]  # clipped at EOF
-    assert e.read(len(data), 10) == b""
+    e.serve.store(0, data[: 2 * CS])
+    e.serve.store(2 * CS, data[2 * CS :])
+    assert e.serve.read(0, len(data)) == data
+    assert e.serve.read(CS - 7, 20) == data[CS - 7 : CS + 13]
+    assert e.serve.read(len(data) - 10, 100) == data[-10:]  # clipped at EOF
+    assert e.serve.read(len(data), 10) == b""
     buf = aligned_buffer(3 * CS + 2 * ALIGN)  # clean: served through O_DIRECT
-    assert bytes(e.read_into(CS + 5, 3 * CS, buf)) == data[CS + 5 : 4 * CS + 5]
-    assert bytes(e.read_into(len(data) - 3, 100, buf)) == data[-3:]  # clipped at EOF
-    assert bytes(e.read_into(len(data), 10, buf)) == b""
+    assert bytes(e.serve.read_aligned(CS + 5, 3 * CS, buf)) == data[CS + 5 : 4 * CS + 5]
+    assert bytes(e.serve.read_aligned(len(data) - 3, 100, buf)) == data[-3:]  # clipped at EOF
+    assert bytes(e.serve.read_aligned(len(data), 10, buf)) == b""
     assert c.stats().used_bytes == len(data)
     assert os.path.getsize(e.path) == len(data)
     c.release(e)
@@ -48,17 +48,17 @@ def test_missing_coalesces_and_clips(tmp_path: Path) -> None:
     c = new_cache(tmp_path / "c")
     size = 10 * CS + 100
     e = c.open("k", "e", size, 0.0)
-    assert e.missing(0, 1 << 40) == [(0, size)]
-    e.store(2 * CS, bytes(2 * CS))
-    e.store(7 * CS, bytes(CS))
-    assert e.missing(0, 1 << 40) == [(0, 2 * CS), (4 * CS, 7 * CS), (8 * CS, size)]
-    assert e.missing(CS + 1, 2 * CS + 5) == [(CS, 2 * CS)]
-    assert e.missing(2 * CS, 4 * CS) == []
-    assert e.missing(size, size + 10) == []
-    assert e.missing(10 * CS + 1, 1 << 40) == [(10 * CS, size)]
-    assert e.present(2 * CS + 1, 4 * CS) and not e.present(0, 3 * CS)
-    e.store(10 * CS, bytes(100))  # the short last chunk
-    assert e.missing(9 * CS, size) == [(9 * CS, 10 * CS)]
+    assert e.serve.missing(0, 1 << 40) == [(0, size)]
+    e.serve.store(2 * CS, bytes(2 * CS))
+    e.serve.store(7 * CS, bytes(CS))
+    assert e.serve.missing(0, 1 << 40) == [(0, 2 * CS), (4 * CS, 7 * CS), (8 * CS, size)]
+    assert e.serve.missing(CS + 1, 2 * CS + 5) == [(CS, 2 * CS)]
+    assert e.serve.missing(2 * CS, 4 * CS) == []
+    assert e.serve.missing(size, size + 10) == []
+    assert e.serve.missing(10 * CS + 1, 1 << 40) == [(10 * CS, size)]
+    assert e.serve.present(2 * CS + 1, 4 * CS) and not e.serve.present(0, 3 * CS)
+    e.serve.store(10 * CS, bytes(100))  # the short last chunk
+    assert e.serve.missing(9 * CS, size) == [(9 * CS, 10 * CS)]
     c.release(e)
     c.close()
 
@@ -67,19 +67,19 @@ def test_store_and_read_preconditions(tmp_path: Path) -> None:
     c = new_cache(tmp_path / "c")
     e = c.open("k", "e", 3 * CS, 0.0)
     with pytest.raises(ValueError):
-        e.store(1, bytes(CS))  # unaligned
+        e.serve.store(1, bytes(CS))  # unaligned
     with pytest.raises(ValueError):
-        e.store(0, bytes(CS + 1))  # not whole chunks, not EOF
+        e.serve.store(0, bytes(CS + 1))  # not whole chunks, not EOF
     with pytest.raises(ValueError):
-        e.store(2 * CS, bytes(2 * CS))  # beyond EOF
+        e.serve.store(2 * CS, bytes(2 * CS))  # beyond EOF
     with pytest.raises(KeyError):
-        e.read(0, 10)
-    e.store(0, bytes(CS))
+        e.serve.read(0, 10)
+    e.serve.store(0, bytes(CS))
     with pytest.raises(KeyError):
-        e.read(CS - 1, 2)  # second chunk absent
+        e.serve.read(CS - 1, 2)  # second chunk absent
     c.release(e)
     with pytest.raises(ValueError):
-        e.read(0, 1)  # released
+        e.serve.read(0, 1)  # released
     c.close()
 
 
@@ -87,8 +87,8 @@ def test_reopen_keeps_chunks_and_used_bytes(tmp_path: Path) -> None:
     data = blob(4 * CS + 10)
     c = new_cache(tmp_path / "c")
     e = c.open("x/y", "e1", len(data), 5.0)
-    e.store(0, data[: 2 * CS])
-    e.store(4 * CS, data[4 * CS :])
+    e.serve.store(0, data[: 2 * CS])
+    e.serve.store(4 * CS, data[4 * CS :])
     c.release(e)
     c.close()
 
@@ -103,9 +103,9 @@ def test_reopen_keeps_chunks_and_used_bytes(tmp_path: Path) -> None:
         "clean",
     )
     e = c.open("x/y", "e1", len(data), 5.0)
-    assert e.missing(0, len(data)) == [(2 * CS, 4 * CS)]
-    assert e.read(0, 2 * CS) == data[: 2 * CS]
-    assert e.read(4 * CS, 10) == data[4 * CS :]
+    assert e.serve.missing(0, len(data)) == [(2 * CS, 4 * CS)]
+    assert e.serve.read(0, 2 * CS) == data[: 2 * CS]
+    assert e.serve.read(4 * CS, 10) == data[4 * CS :]
     c.release(e)
     c.close()
 
@@ -113,11 +113,11 @@ def test_reopen_keeps_chunks_and_used_bytes(tmp_path: Path) -> None:
 def test_etag_change_drops_chunks(tmp_path: Path) -> None:
     c = new_cache(tmp_path / "c")
     e = c.open("k", "v1", 2 * CS, 0.0)
-    e.store(0, blob(2 * CS))
+    e.serve.store(0, blob(2 * CS))
     old_path = e.path
     c.release(e)
     e = c.open("k", "v2", 2 * CS, 1.0)
-    assert e.missing(0, 2 * CS) == [(0, 2 * CS)]
+    assert e.serve.missing(0, 2 * CS) == [(0, 2 * CS)]
     assert not old_path.exists() and e.path != old_path
     assert c.stats().used_bytes == 0
     assert c.lookup("k").etag == "v2"
@@ -129,12 +129,12 @@ def test_etag_change_while_open_detaches_old_version(tmp_path: Path) -> None:
     c = new_cache(tmp_path / "c")
     v1 = blob(2 * CS)
     old = c.open("k", "v1", len(v1), 0.0)
-    old.store(0, v1)
+    old.serve.store(0, v1)
     new = c.open("k", "v2", CS, 1.0)
     assert new is not old
-    assert old.read(0, len(v1)) == v1  # the old holder keeps its version
-    assert new.missing(0, CS) == [(0, CS)]
-    new.store(0, bytes(CS))
+    assert old.serve.read(0, len(v1)) == v1  # the old holder keeps its version
+    assert new.serve.missing(0, CS) == [(0, CS)]
+    new.serve.store(0, bytes(CS))
     assert c.stats().used_bytes == CS
     assert c.open("k", "v2", CS, 1.0) is new
     c.release(new)
@@ -150,9 +150,9 @@ def test_same_object_shares_one_entry(tmp_path: Path) -> None:
     a = c.open("k", "e", CS, 0.0)
     b = c.open("k", "e", CS, 0.0)
     assert a is b
-    a.store(0, bytes(CS))
+    a.serve.store(0, bytes(CS))
     c.release(a)
-    assert b.read(0, 4) == bytes(4)  # still open once
+    assert b.serve.read(0, 4) == bytes(4)  # still open once
     c.release(b)
     with pytest.raises(ValueError):
         c.release(b)
@@ -193,7 +193,7 @@ def test_keys_never_name_files(tmp_path: Path, key: str) -> None:
     root = tmp_path / "c"
     c = new_cache(root)
     e = c.open(key, "e", 10, 0.0)
-    e.store(0, b"0123456789")
+    e.serve.store(0, b"0123456789")
     assert e.path.parent == root / "objects"
     assert len(e.path.name) == 32 and set(e.path.name) <= set("0123456789abcdef")
     c.release(e)
@@ -209,7 +209,7 @@ def test_lookup_and_iter_objects(tmp_path: Path) -> None:
     for k in ["d/a", "d/b", "e/c"]:
         c.release(c.open(k, "t" + k, 1, 2.0))
     held = c.open("d/z", "tz", CS, 3.0)
-    held.store(0, bytes(CS))
+    held.serve.store(0, bytes(CS))
     assert c.lookup("nope") is None
     assert sorted(o.key for o in c.iter_objects("d/")) == ["d/a", "d/b", "d/z"]
     assert {o.key: o.cached_bytes for o in c.iter_objects()} == {
@@ -226,7 +226,7 @@ def test_lookup_and_iter_objects(tmp_path: Path) -> None:
 def test_bind_new_identity_wipes(tmp_path: Path) -> None:
     c = new_cache(tmp_path / "c")
     e = c.open("k", "e", CS, 0.0)
-    e.store(0, bytes(CS))
+    e.serve.store(0, bytes(CS))
     c.release(e)
     assert c.bind("file:///src") is True
     assert c.bind("s3://other") is False
@@ -241,8 +241,8 @@ def test_bind_new_identity_wipes(tmp_path: Path) -> None:
 def test_bind_keeps_pending_uploads_of_another_source(tmp_path: Path) -> None:
     c = new_cache(tmp_path / "c")
     e = c.open("ckpt.pt", "", 0, 0.0)
-    e.write(0, b"weights")
-    e.set_state("sealed")
+    e.local.write(0, b"weights")
+    e.local.seal()
     c.release(e)
     with pytest.raises(CacheConflict):
         c.bind("s3://other")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tierfs.cache import Cache
+from tierfs.cache import Cache, Entry
 from tierfs.cache.eviction import shed_order
 from tierfs.cache.index import ABSENT, VERIFIED
 
@@ -21,12 +21,19 @@ def new_cache(root: Path, capacity: int, min_free: int = 0) -> Cache:
     return c
 
 
+def store(c: Cache, e: Entry, offset: int, data: bytes) -> None:
+    """A fetched store, then the eviction pass the Evictor runs beside it (the mount
+    runs it in a thread of its own; here it runs right after, to be counted)."""
+    e.serve.store(offset, data)
+    c.evictor.make_room()
+
+
 def fill(c: Cache, key: str, size: int) -> None:
     """One complete use of an object: open, cache all of it, read it, release."""
     e = c.open(key, "e", size, 0.0)
-    for a, b in e.missing(0, size):
-        e.store(a, bytes(b - a))
-    e.read(0, size)
+    for a, b in e.serve.missing(0, size):
+        store(c, e, a, bytes(b - a))
+    e.serve.read(0, size)
     c.release(e)
 
 
@@ -107,13 +114,13 @@ def test_object_bigger_than_cache_streams_through(tmp_path: Path) -> None:
     out = bytearray()
     step = 2 * CS
     for off in range(0, len(data), step):
-        for a, b in e.missing(off, off + step):
-            e.store(a, data[a:b])
+        for a, b in e.serve.missing(off, off + step):
+            store(c, e, a, data[a:b])
             assert c.stats().used_bytes <= cap
-        out += e.read(off, step)
+        out += e.serve.read(off, step)
     assert bytes(out) == data
     # what stays is the most recent part, the oldest chunks went first
-    assert e.present(len(data) - 6 * CS, len(data)) and not e.present(0, CS)
+    assert e.serve.present(len(data) - 6 * CS, len(data)) and not e.serve.present(0, CS)
     c.release(e)
     c.close()
 
@@ -122,10 +129,10 @@ def test_big_store_keeps_its_own_chunks(tmp_path: Path) -> None:
     """A single store bigger than the capacity is kept whole until the next one."""
     c = new_cache(tmp_path / "c", capacity=2 * CS)
     e = c.open("k", "e", 8 * CS, 0.0)
-    e.store(0, bytes(4 * CS))
-    assert e.present(0, 4 * CS)
-    e.store(4 * CS, bytes(CS))
-    assert c.stats().used_bytes <= 2 * CS and e.present(3 * CS, 5 * CS)
+    store(c, e, 0, bytes(4 * CS))
+    assert e.serve.present(0, 4 * CS)
+    store(c, e, 4 * CS, bytes(CS))
+    assert c.stats().used_bytes <= 2 * CS and e.serve.present(3 * CS, 5 * CS)
     c.release(e)
     c.close()
 
@@ -133,7 +140,7 @@ def test_big_store_keeps_its_own_chunks(tmp_path: Path) -> None:
 def test_open_objects_are_evicted_last(tmp_path: Path) -> None:
     c = new_cache(tmp_path / "c", capacity=6 * CS)
     held = c.open("held", "e", 2 * CS, 0.0)
-    held.store(0, bytes(2 * CS))
+    store(c, held, 0, bytes(2 * CS))
     fill(c, "idle", 2 * CS)  # newer than "held", but not open
     fill(c, "new", 3 * CS)
     assert cached(c, "idle") == 0 and cached(c, "held") == 2 * CS
@@ -145,10 +152,11 @@ def test_pending_writes_are_never_evicted(tmp_path: Path) -> None:
     c = new_cache(tmp_path / "c", capacity=4 * CS)
     for state in ["dirty", "sealed"]:
         e = c.open(f"ckpt-{state}.pt", "", 0, 0.0)
-        e.write(0, os.urandom(3 * CS))
+        e.local.write(0, os.urandom(3 * CS))
         if state == "sealed":
-            e.set_state("sealed")
+            e.local.seal()
         c.release(e)
+        c.evictor.make_room()
     for i in range(10):
         fill(c, f"scan{i}", CS)
     assert cached(c, "ckpt-dirty.pt") == 3 * CS and cached(c, "ckpt-sealed.pt") == 3 * CS
@@ -162,10 +170,10 @@ def test_free_space_floor(tmp_path: Path) -> None:
     fill(c, "old", 2 * CS)
     assert cached(c, "old") == 2 * CS  # nothing else to evict while it was open
     e = c.open("next", "e", 4 * CS, 0.0)
-    e.store(0, bytes(2 * CS))
+    store(c, e, 0, bytes(2 * CS))
     assert cached(c, "old") == 0  # the floor cannot be met: everything else goes
-    e.store(2 * CS, bytes(2 * CS))
-    assert e.missing(0, 4 * CS) == [(0, 2 * CS)]  # and the open object sheds its past
+    store(c, e, 2 * CS, bytes(2 * CS))
+    assert e.serve.missing(0, 4 * CS) == [(0, 2 * CS)]  # and the open object sheds its past
     c.release(e)
     c.close()
 
@@ -174,9 +182,9 @@ def test_explicit_evict(tmp_path: Path) -> None:
     c = new_cache(tmp_path / "c", capacity=1 << 30)
     fill(c, "a", 2 * CS)
     e = c.open("b", "e", 2 * CS, 0.0)
-    e.store(0, bytes(2 * CS))
+    store(c, e, 0, bytes(2 * CS))
     assert c.evict("a") is True and cached(c, "a") == 0
-    assert c.evict("b") is True and e.missing(0, 2 * CS) == [(0, 2 * CS)]
+    assert c.evict("b") is True and e.serve.missing(0, 2 * CS) == [(0, 2 * CS)]
     assert c.evict("nope") is False
     assert c.stats().used_bytes == 0
     c.release(e)

@@ -23,7 +23,7 @@ def cached_file(root: Path, key: str, data: bytes) -> Path:
     """Cache `data` completely under `key`, then close the cache (a restart follows)."""
     c = new_cache(root)
     e = c.open(key, "e", len(data), 0.0)
-    e.store(0, data)
+    e.serve.store(0, data)
     path = e.path
     c.release(e)
     c.close()
@@ -45,15 +45,15 @@ def test_flipped_byte_is_detected_and_dropped(tmp_path: Path) -> None:
 
     c = new_cache(tmp_path / "c")
     e = c.open("k", "e", len(data), 0.0)
-    assert e.read(0, 2 * CS) == data[: 2 * CS]
+    assert e.serve.read(0, 2 * CS) == data[: 2 * CS]
     with pytest.raises(ChunkCorrupt) as ei:
-        e.read(0, len(data))
+        e.serve.read(0, len(data))
     assert ei.value.chunks == [2]
-    assert e.missing(0, len(data)) == [(2 * CS, 3 * CS)]
+    assert e.serve.missing(0, len(data)) == [(2 * CS, 3 * CS)]
     assert c.stats().corrupt_chunks_total == 1
     assert c.stats().used_bytes == 3 * CS
-    e.store(2 * CS, data[2 * CS : 3 * CS])  # the reader refetches
-    assert e.read(0, len(data)) == data
+    e.serve.store(2 * CS, data[2 * CS : 3 * CS])  # the reader refetches
+    assert e.serve.read(0, len(data)) == data
     c.release(e)
     c.close()
 
@@ -67,13 +67,13 @@ def test_torn_write_zeroed_region(tmp_path: Path) -> None:
     c = new_cache(tmp_path / "c")
     e = c.open("k", "e", len(data), 0.0)
     with pytest.raises(ChunkCorrupt) as ei:
-        e.read(CS + 100, 10)  # a small read inside the chunk still verifies all of it
+        e.serve.read(CS + 100, 10)  # a small read inside the chunk still verifies all of it
     assert ei.value.chunks == [1]
     with pytest.raises(ChunkCorrupt) as ei:
-        e.read(2 * CS, 10)  # ends inside chunk 2: all of it is verified too
+        e.serve.read(2 * CS, 10)  # ends inside chunk 2: all of it is verified too
     assert ei.value.chunks == [2]
-    assert e.missing(0, len(data)) == [(CS, 3 * CS)]
-    assert e.read(3 * CS, 5) == data[3 * CS :]
+    assert e.serve.missing(0, len(data)) == [(CS, 3 * CS)]
+    assert e.serve.read(3 * CS, 5) == data[3 * CS :]
     c.release(e)
     c.close()
 
@@ -83,9 +83,9 @@ def test_chunks_verified_once_per_process(tmp_path: Path) -> None:
     path = cached_file(tmp_path / "c", "k", data)
     c = new_cache(tmp_path / "c")
     e = c.open("k", "e", len(data), 0.0)
-    assert e.read(0, len(data)) == data  # verified now
+    assert e.serve.read(0, len(data)) == data  # verified now
     poke(path, 0, b"\xff")  # later damage is not re-checked on the hot path...
-    assert e.read(1, 10) == data[1:11]
+    assert e.serve.read(1, 10) == data[1:11]
     c.release(e)
     assert c.verify_all() == [("k", [0])]  # ...but a full verification finds it
     assert c.lookup("k").cached_bytes == CS
@@ -97,12 +97,12 @@ def test_verified_state_survives_release_and_reopen(tmp_path: Path) -> None:
     path = cached_file(tmp_path / "c", "k", data)
     c = new_cache(tmp_path / "c")
     e = c.open("k", "e", len(data), 0.0)
-    e.read(0, len(data))
+    e.serve.read(0, len(data))
     c.release(e)
     poke(path, 5, b"\x00")
     e = c.open("k", "e", len(data), 0.0)
-    assert e.present(0, len(data))
-    assert len(e.read(0, len(data))) == len(data)  # no second verification in this process
+    assert e.serve.present(0, len(data))
+    assert len(e.serve.read(0, len(data))) == len(data)  # no second verification in this process
     c.release(e)
     c.close()
 
@@ -115,8 +115,8 @@ def test_read_into_detects_corruption(tmp_path: Path) -> None:
     e = c.open("k", "e", len(data), 0.0)
     buf = aligned_buffer(len(data) + 2 * ALIGN)  # through O_DIRECT: the on-disk bytes
     with pytest.raises(ChunkCorrupt):
-        e.read_into(0, len(data), buf)
-    assert e.missing(0, len(data)) == [(2 * CS, 3 * CS)]
+        e.serve.read_aligned(0, len(data), buf)
+    assert e.serve.missing(0, len(data)) == [(2 * CS, 3 * CS)]
     c.release(e)
     c.close()
 
@@ -127,7 +127,7 @@ def test_lost_object_file_means_lost_chunks(tmp_path: Path) -> None:
     path.unlink()
     c = new_cache(tmp_path / "c")
     e = c.open("k", "e", len(data), 0.0)
-    assert e.missing(0, len(data)) == [(0, 2 * CS)]
+    assert e.serve.missing(0, len(data)) == [(0, 2 * CS)]
     assert c.stats().used_bytes == 0
     c.release(e)
     c.close()
@@ -138,10 +138,10 @@ def test_truncated_object_file_is_caught(tmp_path: Path) -> None:
     path = cached_file(tmp_path / "c", "k", data)
     c = new_cache(tmp_path / "c")
     e = c.open("k", "e", len(data), 0.0)
-    e.read(0, len(data))
+    e.serve.read(0, len(data))
     os.truncate(path, CS + 10)  # damage behind the back of a verified entry
     with pytest.raises(ChunkCorrupt) as ei:
-        e.read(0, len(data))
+        e.serve.read(0, len(data))
     assert ei.value.chunks == [1]
     c.release(e)
     c.close()

@@ -10,7 +10,7 @@ from pathlib import Path
 import xxhash
 
 from tierfs.cache import Cache, Entry
-from tierfs.cache.objects import HASH_LATER
+from tierfs.cache.local import HASH_LATER
 
 CS = 4096
 
@@ -25,21 +25,21 @@ def test_completeness_partial_complete_verified(tmp_path: Path) -> None:
     data = os.urandom(3 * CS + 100)
     c = new_cache(tmp_path / "c")
     e = c.open("k", "e1", len(data), 0.0)
-    assert e.completeness() == "partial"
-    e.store(0, data[: 2 * CS])
-    assert e.completeness() == "partial"
-    e.store(2 * CS, data[2 * CS :])
-    assert e.completeness() == "verified"  # fetched here: checked as it was stored
+    assert e.serve.completeness() == "partial"
+    e.serve.store(0, data[: 2 * CS])
+    assert e.serve.completeness() == "partial"
+    e.serve.store(2 * CS, data[2 * CS :])
+    assert e.serve.completeness() == "verified"  # fetched here: checked as it was stored
     c.release(e)
     c.close()
 
     c = new_cache(tmp_path / "c")  # a restart: chunks on disk are not trusted yet
     e = c.open("k", "e1", len(data), 0.0)
-    assert e.completeness() == "complete"
-    assert e.verify() == []
-    assert e.completeness() == "verified"
-    e.write(0, b"local")
-    assert e.completeness() == "partial"  # written here: the daemon path
+    assert e.serve.completeness() == "complete"
+    assert e.serve.verify() == []
+    assert e.serve.completeness() == "verified"
+    e.local.write(0, b"local")
+    assert e.serve.completeness() == "partial"  # written here: the daemon path
     c.release(e)
     c.close()
 
@@ -47,7 +47,7 @@ def test_completeness_partial_complete_verified(tmp_path: Path) -> None:
 def test_an_empty_object_is_verified(tmp_path: Path) -> None:
     c = new_cache(tmp_path / "c")
     e = c.open("empty", "e", 0, 0.0)
-    assert e.completeness() == "verified"
+    assert e.serve.completeness() == "verified"
     c.release(e)
     c.close()
 
@@ -72,18 +72,18 @@ def test_pinned_chunks_survive_eviction(tmp_path: Path) -> None:
     data = os.urandom(8 * CS)
     c = new_cache(tmp_path / "c", capacity=10 * CS)
     a = c.open("a", "e", len(data), 0.0)
-    a.store(0, data)
-    n = a.chunk_count()
-    a.pin_all()
-    assert not c.evict("a") or a.present(0, len(data))
+    a.serve.store(0, data)
+    a.serve.pin_all()
+    assert not c.evict("a") or a.serve.present(0, len(data))
     b = c.open("b", "e", len(data), 0.0)
-    b.store(0, data)  # over capacity: eviction runs
-    assert a.present(0, len(data))
+    b.serve.store(0, data)  # over capacity
+    c.evictor.make_room()  # the eviction pass the Evictor runs beside fills
+    assert a.serve.present(0, len(data))
     with open(a.path, "rb") as f:
         assert f.read() == data
-    a.unpin_all(n)
+    a.serve.unpin_all()
     c.evict("a")
-    assert not a.present(0, len(data))
+    assert not a.serve.present(0, len(data))
     c.release(a)
     c.release(b)
     c.close()
@@ -95,24 +95,24 @@ def test_writes_the_kernel_made_are_taken_in_at_seal(tmp_path: Path) -> None:
     writes made before the kernel took over."""
     c = new_cache(tmp_path / "c")
     e = c.open("new", "", 0, 0.0)
-    e.truncate(0)  # O_CREAT: dirty, empty
-    e.write(0, b"a" * CS)  # a running checksum the kernel's writes void
-    fd = e.begin_external()
+    e.local.truncate(0)  # O_CREAT: dirty, empty
+    e.local.write(0, b"a" * CS)  # a running checksum the kernel's writes void
+    fd = e.local.begin_external()
     data = os.urandom(5 * CS + 7)
     os.pwrite(fd, data, 0)  # what the kernel does with the registered file
     assert e.size == CS  # not seen yet
-    assert e.adopt_external().st_size == len(data) and e.size == len(data)
+    assert e.local.adopt_external().st_size == len(data) and e.size == len(data)
     os.pwrite(fd, b"more", len(data))
-    e.set_state("sealed")
+    e.local.seal()
     assert e.size == len(data) + 4
-    assert e.verify() == []  # the recorded checksums are the file's
-    assert e.read(0, e.size) == data + b"more"
+    assert e.serve.verify() == []  # the recorded checksums are the file's
+    assert e.serve.read(0, e.size) == data + b"more"
     os.pwrite(fd, b"after the seal", 0)  # a write after fsync: dirty again, sealed again
-    e.set_state("dirty")
-    e.end_external()
-    e.set_state("sealed")
-    assert e.verify() == []
-    assert e.read(0, 14) == b"after the seal"
+    e.local.make_dirty()
+    e.local.end_external()
+    e.local.seal()
+    assert e.serve.verify() == []
+    assert e.serve.read(0, 14) == b"after the seal"
     c.release(e)
     c.close()
 
@@ -120,9 +120,9 @@ def test_writes_the_kernel_made_are_taken_in_at_seal(tmp_path: Path) -> None:
 def test_only_a_local_write_may_be_written_by_the_kernel(tmp_path: Path) -> None:
     c = new_cache(tmp_path / "c")
     e = c.open("k", "e1", CS, 0.0)
-    e.store(0, os.urandom(CS))
+    e.serve.store(0, os.urandom(CS))
     try:
-        e.begin_external()
+        e.local.begin_external()
     except ValueError:
         pass
     else:
@@ -138,19 +138,19 @@ def test_an_unwritten_clean_object_goes_back_to_clean(tmp_path: Path) -> None:
     data = os.urandom(3 * CS + 9)
     c = new_cache(tmp_path / "c")
     e = c.open("k", "e1", len(data), 0.0)
-    e.store(0, data)
-    e.set_state("dirty")
-    e.begin_external()
-    assert e.undirty("e1")
-    assert e.state == "clean" and e.completeness() == "verified"
-    e.end_external()
-    e.set_state("dirty")
-    fd = e.begin_external()
+    e.serve.store(0, data)
+    e.local.make_dirty()
+    e.local.begin_external()
+    assert e.local.undirty("e1")
+    assert e.state == "clean" and e.serve.completeness() == "verified"
+    e.local.end_external()
+    e.local.make_dirty()
+    fd = e.local.begin_external()
     os.pwrite(fd, b"changed", CS)
-    assert not e.undirty("e1") and e.state == "dirty"
-    e.end_external()
-    e.set_state("sealed")
-    assert e.verify() == []
+    assert not e.local.undirty("e1") and e.state == "dirty"
+    e.local.end_external()
+    e.local.seal()
+    assert e.serve.verify() == []
     c.release(e)
     c.close()
 
@@ -158,10 +158,10 @@ def test_an_unwritten_clean_object_goes_back_to_clean(tmp_path: Path) -> None:
 def _written_by_the_kernel(c: Cache, key: str, data: bytes) -> Entry:
     """A new file whose bytes the kernel wrote (passthrough), not yet sealed."""
     e = c.open(key, "", 0, 0.0)
-    e.truncate(0)
-    fd = e.begin_external()
+    e.local.truncate(0)
+    fd = e.local.begin_external()
     os.pwrite(fd, data, 0)
-    e.end_external()
+    e.local.end_external()
     return e
 
 
@@ -172,21 +172,21 @@ def test_a_seal_of_bytes_the_kernel_wrote_takes_their_checksums_later(tmp_path: 
     data = os.urandom(HASH_LATER + 5 * CS + 3)
     c = new_cache(tmp_path / "c")
     e = _written_by_the_kernel(c, "big", data)
-    e.set_state("sealed", durable=False)
-    assert e.unhashed and c.index.unhashed(e._fid) == (c.boot_id, False)
-    assert e.read(0, len(data)) == data  # served meanwhile
-    assert not e.take_digests(limit=7) and e.unhashed
+    e.local.seal(durable=False)
+    assert e.local.unhashed and c.index.unhashed(e._fid) == (c.boot_id, False)
+    assert e.serve.read(0, len(data)) == data  # served meanwhile
+    assert not e.local.take_digests(limit=7) and e.local.unhashed
     expected = b"".join(xxhash.xxh3_64_digest(data[o : o + CS]) for o in range(0, len(data), CS))
-    assert e.chunk_sums() == expected  # the upload takes the rest
-    assert not e.unhashed and c.index.unhashed(e._fid) is None
-    assert e.verify() == []
+    assert e.local.chunk_sums() == expected  # the upload takes the rest
+    assert not e.local.unhashed and c.index.unhashed(e._fid) is None
+    assert e.serve.verify() == []
     c.release(e)
     c.close()
     c = new_cache(tmp_path / "c")
     assert c.finish_seal("big")
     e = c.open_existing("big")
-    assert e is not None and e.verify() == [] and not e.unhashed
-    assert e.chunk_sums() == expected
+    assert e is not None and e.serve.verify() == [] and not e.local.unhashed
+    assert e.local.chunk_sums() == expected
     c.release(e)
     c.close()
 
@@ -194,8 +194,8 @@ def test_a_seal_of_bytes_the_kernel_wrote_takes_their_checksums_later(tmp_path: 
 def test_a_small_seal_takes_its_checksums_at_once(tmp_path: Path) -> None:
     c = new_cache(tmp_path / "c")
     e = _written_by_the_kernel(c, "small", os.urandom(HASH_LATER))
-    e.set_state("sealed", durable=False)
-    assert not e.unhashed and c.index.unhashed(e._fid) is None
+    e.local.seal(durable=False)
+    assert not e.local.unhashed and c.index.unhashed(e._fid) is None
     c.release(e)
     c.close()
 
@@ -211,10 +211,10 @@ def test_after_a_restart_unhashed_seals_are_trusted_only_within_the_same_boot_or
     c = new_cache(tmp_path / "c")
     for key, body in data.items():
         e = _written_by_the_kernel(c, key, body)
-        e.set_state("sealed", durable=key == "fsynced")
+        e.local.seal(durable=key == "fsynced")
         if key == "fsynced-later":
-            e.sync()  # fsync(2) after close(2)
-        assert e.unhashed
+            e.local.sync()  # fsync(2) after close(2)
+        assert e.local.unhashed
         c.release(e)  # the daemon dies before its checksums were taken
     c.close()
     later = Cache(tmp_path / "c", capacity=1 << 30, chunk_size=CS, min_free=0,
@@ -224,13 +224,13 @@ def test_after_a_restart_unhashed_seals_are_trusted_only_within_the_same_boot_or
     assert later.finish_seal("fsynced") and later.finish_seal("fsynced-later")
     for key in ("fsynced", "fsynced-later"):
         e = later.open_existing(key)
-        assert e is not None and not e.unhashed and e.read(0, e.size) == data[key]
+        assert e is not None and not e.local.unhashed and e.serve.read(0, e.size) == data[key]
         later.release(e)
     later.close()
     same = new_cache(tmp_path / "c")  # this boot: trusted
     assert same.finish_seal("closed")
     e = same.open_existing("closed")
-    assert e is not None and e.verify() == [] and e.read(0, e.size) == data["closed"]
+    assert e is not None and e.serve.verify() == [] and e.serve.read(0, e.size) == data["closed"]
     same.release(e)
     same.close()
 
@@ -239,13 +239,13 @@ def test_a_write_after_an_unhashed_seal_voids_its_pending_checksums(tmp_path: Pa
     data = bytearray(os.urandom(HASH_LATER + CS))
     c = new_cache(tmp_path / "c")
     e = _written_by_the_kernel(c, "k", bytes(data))
-    e.set_state("sealed", durable=False)
-    e.write(0, b"new bytes")  # dirty again: nothing is left to take of that seal
-    assert not e.unhashed and e.take_digests()
+    e.local.seal(durable=False)
+    e.local.write(0, b"new bytes")  # dirty again: nothing is left to take of that seal
+    assert not e.local.unhashed and e.local.take_digests()
     data[:9] = b"new bytes"
-    e.set_state("sealed", durable=False)
+    e.local.seal(durable=False)
     expected = b"".join(xxhash.xxh3_64_digest(data[o : o + CS]) for o in range(0, len(data), CS))
-    assert e.unhashed and e.chunk_sums() == expected
+    assert e.local.unhashed and e.local.chunk_sums() == expected
     assert c.index.unhashed(e._fid) is None
     c.release(e)
     c.close()

@@ -51,13 +51,13 @@ def test_write_seal_upload_cycle(tmp_path: Path) -> None:
     assert e.state == "clean"
     data = os.urandom(3 * CS + 1000)
     for off in range(0, len(data), 1000):  # unaligned pieces, front to back
-        assert e.write(off, data[off : off + 1000]) == len(data[off : off + 1000])
+        assert e.local.write(off, data[off : off + 1000]) == len(data[off : off + 1000])
     assert e.state == "dirty" and e.size == len(data)
-    assert e.read(0, len(data)) == data
+    assert e.serve.read(0, len(data)) == data
     assert c.stats().used_bytes == len(data)
-    e.set_state("sealed", mtime=42.0)
+    e.local.seal(mtime=42.0)
     assert c.lookup("run/ckpt.pt").state == "sealed"
-    e.set_state("clean", etag="etag-from-store")
+    e.local.clean(etag="etag-from-store")
     c.release(e)
     obj = c.lookup("run/ckpt.pt")
     assert (obj.state, obj.etag, obj.size, obj.mtime, obj.cached_bytes) == (
@@ -71,7 +71,7 @@ def test_write_seal_upload_cycle(tmp_path: Path) -> None:
 
     c = new_cache(tmp_path / "c")
     e = c.open("run/ckpt.pt", "etag-from-store", len(data), 42.0)
-    assert e.read(0, len(data)) == data  # checksums recorded at sealing verify
+    assert e.serve.read(0, len(data)) == data  # checksums recorded at sealing verify
     c.release(e)
     assert c.verify_all() == []
     assert c.evict("run/ckpt.pt") is True  # an ordinary cached object now
@@ -81,18 +81,18 @@ def test_write_seal_upload_cycle(tmp_path: Path) -> None:
 def test_write_needs_the_whole_object(tmp_path: Path) -> None:
     c = new_cache(tmp_path / "c")
     e = c.open("k", "e1", 3 * CS, 0.0)
-    e.store(0, bytes(CS))
+    e.serve.store(0, bytes(CS))
     with pytest.raises(ValueError, match="not fully cached"):
-        e.write(10, b"x")
+        e.local.write(10, b"x")
     with pytest.raises(ValueError):
-        e.truncate(2 * CS)
-    e.truncate(CS)  # only the surviving part must be cached
+        e.local.truncate(2 * CS)
+    e.local.truncate(CS)  # only the surviving part must be cached
     assert e.state == "dirty" and e.size == CS
     assert c.stats().used_bytes == CS
-    e.write(CS, b"tail")
-    assert e.read(CS - 2, 10) == b"\0\0tail"
+    e.local.write(CS, b"tail")
+    assert e.serve.read(CS - 2, 10) == b"\0\0tail"
     with pytest.raises(ValueError):
-        e.store(0, bytes(CS))  # fetched bytes never overwrite local ones
+        e.serve.store(0, bytes(CS))  # fetched bytes never overwrite local ones
     c.release(e)
     c.close()
 
@@ -100,14 +100,14 @@ def test_write_needs_the_whole_object(tmp_path: Path) -> None:
 def test_truncate_grow_and_shrink(tmp_path: Path) -> None:
     c = new_cache(tmp_path / "c")
     e = c.open("k", "", 0, 0.0)
-    e.write(0, b"a" * (CS + 10))
-    e.truncate(5)
-    e.truncate(2 * CS)
-    assert e.read(0, 2 * CS) == b"a" * 5 + bytes(2 * CS - 5)
-    e.write(3 * CS, b"z")  # a gap past EOF reads as zeros
-    assert e.size == 3 * CS + 1 and e.read(2 * CS, CS + 1) == bytes(CS) + b"z"
+    e.local.write(0, b"a" * (CS + 10))
+    e.local.truncate(5)
+    e.local.truncate(2 * CS)
+    assert e.serve.read(0, 2 * CS) == b"a" * 5 + bytes(2 * CS - 5)
+    e.local.write(3 * CS, b"z")  # a gap past EOF reads as zeros
+    assert e.size == 3 * CS + 1 and e.serve.read(2 * CS, CS + 1) == bytes(CS) + b"z"
     assert c.stats().used_bytes == 3 * CS + 1
-    e.set_state("sealed")
+    e.local.seal()
     c.release(e)
     c.close()
     c = new_cache(tmp_path / "c")
@@ -137,24 +137,24 @@ def test_sealed_checksums_match_any_write_sequence(
     model = bytearray()
     c = new_cache(root, chunk_size=64)
     e = c.open("f", "", 0, 0.0)
-    e.set_state("dirty")  # created by a writer
+    e.local.make_dirty()  # created by a writer
     for kind, off, data in ops:
         if kind == "a":  # append: the common, sequential case
             off = len(model)
         if kind != "t":
-            e.write(off, data)
+            e.local.write(off, data)
             model[len(model) :] = bytes(max(0, off - len(model)))
             model[off : off + len(data)] = data
         else:
-            e.truncate(off)
+            e.local.truncate(off)
             model = model[:off] + bytes(max(0, off - len(model)))
-    e.set_state("sealed")
+    e.local.seal()
     c.release(e)
     c.close()
     c = new_cache(root, chunk_size=64)
     e = c.open("f", "ignored", 0, 0.0)
     assert e.state == "sealed" and e.size == len(model)
-    assert e.read(0, len(model)) == bytes(model)
+    assert e.serve.read(0, len(model)) == bytes(model)
     c.release(e)
     assert c.verify_all() == []
     c.close()
@@ -168,10 +168,10 @@ def test_dirty_file_survives_a_crash(tmp_path: Path) -> None:
         c = Cache({str(tmp_path / "c")!r}, capacity=1 << 30, chunk_size={CS}, min_free=0)
         c.bind("file:///src")
         e = c.open("half.pt", "", 0, 0.0)
-        e.write(0, b"x" * {CS + 1})
+        e.local.write(0, b"x" * {CS + 1})
         c.release(e)  # the record knows CS+1 bytes
         e = c.open("half.pt", "", 0, 0.0)
-        e.write({CS + 1}, b"y" * {2 * CS})  # this growth never reaches the record
+        e.local.write({CS + 1}, b"y" * {2 * CS})  # this growth never reaches the record
         os._exit(0)
         """
     )
@@ -180,7 +180,7 @@ def test_dirty_file_survives_a_crash(tmp_path: Path) -> None:
     assert c.lookup("half.pt").state == "dirty"
     assert [o.key for o in c.iter_objects() if o.state != "clean"] == ["half.pt"]
     e = c.open("half.pt", "", 0, 0.0)
-    assert e.size == 3 * CS + 1 and e.read(0, e.size) == b"x" * (CS + 1) + b"y" * (2 * CS)
+    assert e.size == 3 * CS + 1 and e.serve.read(0, e.size) == b"x" * (CS + 1) + b"y" * (2 * CS)
     assert c.stats().used_bytes == 3 * CS + 1
     c.release(e)
     assert c.lookup("half.pt").cached_bytes == 3 * CS + 1
@@ -192,14 +192,14 @@ def test_dirty_file_survives_a_crash(tmp_path: Path) -> None:
 def test_rename_moves_pending_file(tmp_path: Path) -> None:
     c = new_cache(tmp_path / "c")
     e = c.open("tmp-checkpoint-5/model.pt", "", 0, 0.0)
-    e.write(0, b"weights")
-    e.set_state("sealed")
+    e.local.write(0, b"weights")
+    e.local.seal()
     target = c.open("checkpoint-5/model.pt", "old", CS, 0.0)  # an older object there
-    target.store(0, bytes(CS))
+    target.serve.store(0, bytes(CS))
     assert c.rename("tmp-checkpoint-5/model.pt", "checkpoint-5/model.pt") is True
     assert e.key == "checkpoint-5/model.pt"
     assert c.lookup("tmp-checkpoint-5/model.pt") is None
-    assert target.read(0, 4) == bytes(4)  # the replaced version stays readable to its holder
+    assert target.serve.read(0, 4) == bytes(4)  # the replaced version stays readable to its holder
     assert c.open("checkpoint-5/model.pt", "whatever", 1, 0.0) is e
     c.release(e)
     c.release(e)
@@ -219,17 +219,17 @@ def test_open_seen_of_a_local_file_keeps_its_landed_version(tmp_path: Path) -> N
     c = new_cache(tmp_path / "c")
     data = os.urandom(2 * CS + 7)
     e = c.open("ck/x.pt", "", 0, 0.0)
-    e.write(0, data)
-    e.set_state("sealed")
-    e.set_state("clean", etag="landed")  # the uploader, between the look and the open
+    e.local.write(0, data)
+    e.local.seal()
+    e.local.clean(etag="landed")  # the uploader, between the look and the open
     c.release(e)
     seen = c.open_seen("ck/x.pt", "", 0, 0.0)
     assert seen is not None
     assert (seen.state, seen.etag, seen.size) == ("clean", "landed", len(data))
-    assert seen.read(0, len(data)) == data
+    assert seen.serve.read(0, len(data)) == data
     c.release(seen)
     same = c.open_seen("ck/x.pt", "landed", len(data), 0.0)  # with an ETag: as `open`
-    assert same is not None and same.read(0, len(data)) == data
+    assert same is not None and same.serve.read(0, len(data)) == data
     c.release(same)
     assert c.remove("ck/x.pt")
     assert c.open_seen("ck/x.pt", "", 0, 0.0) is None  # landed and gone: ask the store
@@ -239,12 +239,12 @@ def test_open_seen_of_a_local_file_keeps_its_landed_version(tmp_path: Path) -> N
 def test_remove_while_open(tmp_path: Path) -> None:
     c = new_cache(tmp_path / "c")
     e = c.open("k", "e", CS, 0.0)
-    e.store(0, b"q" * CS)
+    e.serve.store(0, b"q" * CS)
     assert c.remove("k") is True
     assert c.lookup("k") is None and not e.path.exists()
-    assert e.read(0, CS) == b"q" * CS
+    assert e.serve.read(0, CS) == b"q" * CS
     fresh = c.open("k", "e", CS, 0.0)
-    assert fresh is not e and fresh.missing(0, CS) == [(0, CS)]
+    assert fresh is not e and fresh.serve.missing(0, CS) == [(0, CS)]
     c.release(e)
     c.release(fresh)
     assert c.stats().used_bytes == 0
@@ -255,17 +255,15 @@ def test_state_transitions_are_checked(tmp_path: Path) -> None:
     c = new_cache(tmp_path / "c")
     e = c.open("k", "", 0, 0.0)
     with pytest.raises(ValueError):
-        e.set_state("sealed")  # nothing written
-    e.write(0, b"abc")
+        e.local.seal()  # nothing written
+    e.local.write(0, b"abc")
     with pytest.raises(ValueError):
-        e.set_state("clean")  # not sealed yet
-    with pytest.raises(ValueError):
-        e.set_state("uploaded")
-    e.set_state("sealed")
-    e.write(3, b"d")  # written again after an fsync: dirty again
+        e.local.clean()  # not sealed yet
+    e.local.seal()
+    e.local.write(3, b"d")  # written again after an fsync: dirty again
     assert e.state == "dirty"
-    e.set_state("sealed")
-    e.set_state("clean", etag="v1")
+    e.local.seal()
+    e.local.clean(etag="v1")
     c.release(e)
     assert c.lookup("k").size == 4
     c.close()
@@ -274,19 +272,19 @@ def test_state_transitions_are_checked(tmp_path: Path) -> None:
 def test_sealing_a_sequential_write_reads_nothing_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tierfs.cache.objects as objects
+    import tierfs.cache.local as local
 
     c = new_cache(tmp_path / "c")
     e = c.open("big.distcp", "", 0, 0.0)
     data = os.urandom(5 * CS + 333)
     for off in range(0, len(data), 1500):
-        e.write(off, data[off : off + 1500])
+        e.local.write(off, data[off : off + 1500])
 
     def no_reads(*args: object) -> bytes:
         raise AssertionError("sealing re-read the file")
 
-    monkeypatch.setattr(objects, "_pread", no_reads)
-    e.set_state("sealed")
+    monkeypatch.setattr(local, "pread_full", no_reads)
+    e.local.seal()
     monkeypatch.undo()
     c.release(e)
     c.close()
@@ -304,15 +302,15 @@ def test_failed_write_leaves_a_sealable_file(tmpfs: Callable[[str], Path]) -> No
     cs = 64 << 10
     c = new_cache(root / "c", chunk_size=cs)
     e = c.open("k", "", 0, 0.0)
-    e.write(0, b"a" * (cs + 100))
+    e.local.write(0, b"a" * (cs + 100))
     filler = fill(root, leave=cs)
     with pytest.raises(OSError) as exc:
-        e.write(cs + 100, b"b" * (4 * cs))  # sequential: a running checksum was going
+        e.local.write(cs + 100, b"b" * (4 * cs))  # sequential: a running checksum was going
     assert exc.value.errno == errno.ENOSPC
     assert e.size == cs + 100 and os.path.getsize(e.path) == cs + 100
-    assert e.read(0, cs + 100) == b"a" * (cs + 100)
+    assert e.serve.read(0, cs + 100) == b"a" * (cs + 100)
     filler.unlink()
-    e.set_state("sealed")
+    e.local.seal()
     c.release(e)
     c.close()
     c = new_cache(root / "c", chunk_size=cs)
@@ -345,12 +343,12 @@ def test_going_dirty_waits_for_stores_in_flight(
     import threading
     import time
 
-    import tierfs.cache.objects as objects
+    import tierfs.cache.serve as serve
 
     c = new_cache(tmp_path / "c")
     e = c.open("k", "e", CS, 0.0)
-    e.store(0, b"o" * CS)
-    real = objects.pwrite_direct
+    e.serve.store(0, b"o" * CS)
+    real = serve.pwrite_direct
     storing, proceed = threading.Event(), threading.Event()
 
     def held(dfd: int, fd: int, data: memoryview, offset: int) -> None:
@@ -359,11 +357,11 @@ def test_going_dirty_waits_for_stores_in_flight(
             assert proceed.wait(10)
         real(dfd, fd, data, offset)
 
-    monkeypatch.setattr(objects, "pwrite_direct", held)
-    fetcher = threading.Thread(target=e.store, args=(0, b"o" * CS), name="fetcher")
+    monkeypatch.setattr(serve, "pwrite_direct", held)
+    fetcher = threading.Thread(target=e.serve.store, args=(0, b"o" * CS), name="fetcher")
     fetcher.start()
     assert storing.wait(10)
-    writer = threading.Thread(target=e.write, args=(0, b"new"))
+    writer = threading.Thread(target=e.local.write, args=(0, b"new"))
     writer.start()
     deadline = time.monotonic() + 10
     while not e._stores_done._waiters:  # type: ignore[attr-defined]  # the writer waits
@@ -373,7 +371,7 @@ def test_going_dirty_waits_for_stores_in_flight(
     proceed.set()
     fetcher.join(10)
     writer.join(10)
-    assert e.read(0, 4) == b"newo"
+    assert e.serve.read(0, 4) == b"newo"
     c.release(e)
     c.close()
 
@@ -388,15 +386,15 @@ def test_index_commits_on_a_full_disk(tmpfs: Callable[[str], Path]) -> None:
     off, piece = 0, os.urandom(64 << 10)
     with pytest.raises(OSError) as full:
         while True:
-            off += e.write(off, piece)
+            off += e.local.write(off, piece)
     assert full.value.errno == errno.ENOSPC
     assert os.statvfs(root).f_bavail < 16  # the disk really is full
     for i in range(200):  # more index work than a few pages' worth
-        e.set_state("sealed", mtime=float(i))
-        e.set_state("clean", etag=f"etag-{i}")
-        e.write(0, b"x")  # dirty again: a chunk checksum record per round
-    e.set_state("sealed", mtime=1.0)
-    e.set_state("clean", etag="landed")
+        e.local.seal(mtime=float(i))
+        e.local.clean(etag=f"etag-{i}")
+        e.local.write(0, b"x")  # dirty again: a chunk checksum record per round
+    e.local.seal(mtime=1.0)
+    e.local.clean(etag="landed")
     c.release(e)
     assert c.lookup("ckpt/huge.pt").state == "clean"
     assert c.evict("ckpt/huge.pt") is True

@@ -207,7 +207,7 @@ async def test_a_miss_asks_the_next_source_and_the_bytes_land_in_tier1(
         n.cancel_scope.cancel()
     assert sorted((w.start, w.end) for w in missing.asked) == [
         (0, PART), (PART, 2 * PART), (2 * PART, 3 * PART), (3 * PART, len(data))]
-    assert e.read(0, len(data)) == data
+    assert e.serve.read(0, len(data)) == data
     assert f.landed.holds(e, 0, PART)  # the buffer path keeps parts in memory
     cache.release(e)
 
@@ -223,13 +223,13 @@ async def test_a_source_that_writes_tier1_itself_from_its_own_thread(
         assert await f.ensure(e, 0, len(data), whole_parts=True)
         n.cancel_scope.cancel()
     assert engine.threads and threading.get_ident() not in engine.threads
-    assert e.missing(0, len(data)) == []
+    assert e.serve.missing(0, len(data)) == []
     assert not f.landed.holds(e, 0, PART)  # no part buffer was filled: none kept
-    assert e.read(0, len(data)) == data
+    assert e.serve.read(0, len(data)) == data
     cache.release(e)
     # Committed with the checksums of the bytes written: checked against the file.
     again = cache.open("k", e.etag, len(data), 1.0)
-    assert again.verify() == [] and again.read(0, len(data)) == data
+    assert again.serve.verify() == [] and again.serve.read(0, len(data)) == data
     cache.release(again)
 
 
@@ -242,9 +242,9 @@ async def test_a_source_may_fill_a_larger_aligned_block(cache: Cache, store: Loc
         await f.ensure(e, PART, PART + CS, whole_parts=False)  # one chunk asked
         n.cancel_scope.cancel()
     assert shared.blocks == {("k", 0): data[: 2 * PART]}  # the origin's block, put
-    assert e.missing(0, 2 * PART) == []  # its whole block came
-    assert e.missing(2 * PART, 4 * PART) == [(2 * PART, 4 * PART)]
-    assert e.read(0, 2 * PART) == data[: 2 * PART]
+    assert e.serve.missing(0, 2 * PART) == []  # its whole block came
+    assert e.serve.missing(2 * PART, 4 * PART) == [(2 * PART, 4 * PART)]
+    assert e.serve.read(0, 2 * PART) == data[: 2 * PART]
     cache.release(e)
 
 
@@ -277,8 +277,8 @@ async def test_pages_and_reads_through_memory_never_get_a_tier1_file(
         await f.through_memory(e, 3 * PART + 7).wait()
         n.cancel_scope.cancel()
     assert not engine.threads
-    assert e.read_pages(5 * CS, 4096) == data[5 * CS : 5 * CS + 4096]
-    assert e.missing(0, len(data)) == [(0, len(data))]  # no chunk stored
+    assert e.serve.read_pages(5 * CS, 4096) == data[5 * CS : 5 * CS + 4096]
+    assert e.serve.missing(0, len(data)) == [(0, len(data))]  # no chunk stored
     assert f.landed.holds(e, 3 * PART, 4 * PART)
     cache.release(e)
 
@@ -300,7 +300,7 @@ async def test_whole_objects_ahead_from_either_kind_of_source(cache: Cache, stor
         known = cache.lookup(info.key)
         assert known is not None and known.cached_bytes == info.size
         e = open_entry(cache, info)
-        assert e.read(0, info.size) == store.get_range(info.key, 0, info.size)
+        assert e.serve.read(0, info.size) == store.get_range(info.key, 0, info.size)
         cache.release(e)
 
 

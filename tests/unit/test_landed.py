@@ -88,12 +88,12 @@ async def test_a_landed_part_serves_ranges_inside_it_only(cache: Cache) -> None:
 async def test_a_local_write_stops_serving_the_fetched_bytes(cache: Cache) -> None:
     data = os.urandom(PART)
     e = cache.open("k", "e1", len(data), 1.0)
-    e.store(0, data)
+    e.serve.store(0, data)
     pool = BufferPool(MemoryBudget(16 * PART), PART, keep=8)
     landed = LandedParts(pool, capacity=4 * PART)
     landed.land(e, 0, PART, await landed_part(pool, data))
     assert landed.pin(e, 0, 10) is not None
-    e.write(0, b"new")  # dirty now: tier 1 holds other bytes than the store sent
+    e.local.write(0, b"new")  # dirty now: tier 1 holds other bytes than the store sent
     assert landed.pin(e, 0, 10) is None
     cache.release(e)
 

@@ -105,7 +105,7 @@ async def test_a_warm_walk_finds_its_entries_opened_and_verified(
         for info in sorted(infos.values(), key=lambda i: i.key):
             h = await path.open(info.key, info.etag, info.size, info.mtime, DATASET)
             # passthrough takes only verified files: the open verified this one
-            assert h.entry.servable_now(0, info.size)
+            assert h.entry.serve.servable_now(0, info.size)
             await h.release()
             await until(lambda: settled(path))
         taken = path.prepared.taken

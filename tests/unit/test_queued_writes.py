@@ -29,7 +29,7 @@ class Applied:
             # A full disk cannot be produced at one chosen offset here; the mount
             # test test_full_cache_disk_gives_enospc_and_loses_nothing does it for real.
             raise OSError(errno.ENOSPC, "No space left on device")
-        await trio.to_thread.run_sync(entry.write, offset, data)
+        await trio.to_thread.run_sync(entry.local.write, offset, data)
 
 
 async def test_writes_apply_in_order_joined_and_reads_wait(cache: Cache) -> None:
@@ -43,7 +43,7 @@ async def test_writes_apply_in_order_joined_and_reads_wait(cache: Cache) -> None
             await qw.submit(q, entry, off, data[off : off + 8 * KiB])
         await qw.submit(q, entry, 100, b"X" * 10)  # overwrites, so it must come last
         await qw.drain_entry(entry)
-        assert entry.read(0, len(data)) == data[:100] + b"X" * 10 + data[110:]
+        assert entry.serve.read(0, len(data)) == data[:100] + b"X" * 10 + data[110:]
         await qw.drain(q)
     assert len(applied.calls) < len(data) // (8 * KiB) // 4  # joined, not one per write
     assert max(n for _, _, n in applied.calls) <= COALESCE + 8 * KiB
@@ -59,7 +59,7 @@ async def test_queued_bytes_stay_under_the_cap(cache: Cache) -> None:
         nonlocal peak
         peak = max(peak, qw.queued_bytes)
         await trio.sleep(0.001)
-        await trio.to_thread.run_sync(e.write, off, data)
+        await trio.to_thread.run_sync(e.local.write, off, data)
 
     async with trio.open_nursery() as nursery:
         qw = QueuedWrites(nursery, slow, limit=256 * KiB, budget=MemoryBudget(1 << 30))
@@ -69,7 +69,7 @@ async def test_queued_bytes_stay_under_the_cap(cache: Cache) -> None:
             assert qw.queued_bytes <= 256 * KiB
         await qw.drain(q)
     assert 0 < peak <= 256 * KiB
-    assert entry.read(63 * 64 * KiB, 1) == bytes([63])
+    assert entry.serve.read(63 * 64 * KiB, 1) == bytes([63])
     cache.release(entry)
 
 
@@ -96,6 +96,6 @@ async def test_a_failed_write_sticks_to_its_handle(cache: Cache) -> None:
     assert qw.queued_bytes == 0  # what was queued behind the failure is dropped
     assert budget.used == 0  # and its memory is given back
     assert [off for key, off, _ in applied.calls if key == entry.key] == [0, 128 * KiB, 256 * KiB]
-    assert other.read(0, 4) == b"fine"
+    assert other.serve.read(0, 4) == b"fine"
     cache.release(entry)
     cache.release(other)

@@ -21,9 +21,14 @@ never hides what this mount wrote.
 
 from __future__ import annotations
 
+import logging
 import struct
+from collections.abc import Iterable
 
+from tierfs.cache.index import Index
 from tierfs.store.base import Listing, ObjectInfo
+
+log = logging.getLogger(__name__)
 
 VERSION = 1
 _HEAD = struct.Struct("<BdHII")
@@ -79,3 +84,30 @@ def decode(prefix: str, raw: bytes) -> tuple[Listing, float]:
     if o != len(raw):
         raise BadListing(f"kept listing of {prefix!r}: {len(raw) - o} stray bytes")
     return Listing(files, dirs), listed_at
+
+
+class KeptListings:
+    """The listings kept in one cache's index (`Cache.listings`)."""
+
+    def __init__(self, index: Index) -> None:
+        self.index = index
+
+    def keep(self, prefix: str, listing: Listing, listed_at: float) -> None:
+        """Keep the store's complete listing of `prefix`, taken at `listed_at`."""
+        self.index.keep_listing(prefix, encode(prefix, listing, listed_at))
+
+    def kept(self, prefix: str) -> tuple[Listing, float] | None:
+        """The listing kept for `prefix` and when it was taken, if any (one that
+        cannot be read is dropped)."""
+        raw = self.index.kept_listing(prefix)
+        if raw is None:
+            return None
+        try:
+            return decode(prefix, raw)
+        except BadListing as exc:
+            log.warning("%s: dropped", exc)
+            self.index.drop_listings([prefix])
+            return None
+
+    def drop(self, prefixes: Iterable[str]) -> None:
+        self.index.drop_listings(prefixes)

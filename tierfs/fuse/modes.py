@@ -81,11 +81,11 @@ W = TypeVar("W", bound=Writable)
 @dataclass(frozen=True)
 class Opened:
     """How one open is served: `backing_id` > 0 is passthrough; `pinned`: the
-    entry whose chunks were pinned for the kernel, and how many."""
+    entry whose chunks were pinned for the kernel."""
 
     inode: int
     backing_id: int
-    pinned: tuple[Entry, int] | None = None
+    pinned: Entry | None = None
 
 
 class OpenModes:
@@ -122,22 +122,21 @@ class OpenModes:
             self._count(PASSTHROUGH, PASSTHROUGH if same else "older_version")
             if not same:
                 return Opened(inode, joined)
-            entry.pin_all()  # the writer it joined may release first; its upload makes it clean
-            return Opened(inode, joined, (entry, 0))
+            entry.serve.pin_all()  # the writer it joined may release first; its upload makes it clean
+            return Opened(inode, joined, entry)
         why = self._why_not(entry, settings)
         if why is None and self.backings.mode(inode) is None:
             try:
-                backing_id = self.backings.acquire(inode, entry.backing_fd(), entry)
+                backing_id = self.backings.acquire(inode, entry.serve.backing_fd(), entry)
             except OSError as exc:
                 log.warning("passthrough open of %s failed (%s): served by the daemon",
                             entry.key, exc)
                 why = "register_failed"
             else:
                 assert backing_id
-                chunks = entry.chunk_count()
-                entry.pin_all()
+                entry.serve.pin_all()
                 self._count(PASSTHROUGH, PASSTHROUGH)
-                return Opened(inode, backing_id, (entry, chunks))
+                return Opened(inode, backing_id, entry)
         self.backings.acquire(inode, None)
         self._count("daemon", why or "inode_busy")
         return Opened(inode, 0)
@@ -194,9 +193,9 @@ class OpenModes:
             h.begin_pass_through()
             joined = self.backings.acquire(inode, None)
             assert joined
-            h.entry.pin_all()
+            h.entry.serve.pin_all()
             self._count(PASSTHROUGH, "writable")
-            return Opened(inode, joined, (h.entry, 0))
+            return Opened(inode, joined, h.entry)
         if mode is None and eligible:
             fd = h.begin_pass_through()
             try:
@@ -209,9 +208,9 @@ class OpenModes:
                 await h.end_pass_through()
                 return Opened(inode, 0)
             assert backing_id
-            h.entry.pin_all()  # clean again at release if unwritten (WriteSession._restore)
+            h.entry.serve.pin_all()  # clean again at release if unwritten (WriteSession._restore)
             self._count(PASSTHROUGH, "writable")
-            return Opened(inode, backing_id, (h.entry, 0))
+            return Opened(inode, backing_id, h.entry)
         self.backings.acquire(inode, None)
         self._count("daemon", ("writable_busy" if mode == 0 else "writable") if self.mode.enabled
                     else "off")
@@ -230,7 +229,7 @@ class OpenModes:
 
     def _drop(self, opened: Opened) -> None:
         if opened.pinned is not None:
-            opened.pinned[0].unpin_all(opened.pinned[1])
+            opened.pinned.serve.unpin_all()
         self.backings.release(opened.inode)
 
     def summary(self) -> dict[str, object]:
@@ -242,7 +241,7 @@ class OpenModes:
             return "off"
         if settings.revalidate_on_open:
             return "revalidated"
-        state = entry.completeness()
+        state = entry.serve.completeness()
         if state == "verified":
             return None
         if state == "complete":
@@ -262,7 +261,7 @@ class OpenModes:
         are stashed with the object at its last release."""
         try:
             async with self._verify_slot:
-                bad = await self.workers.disk(entry.verify)
+                bad = await self.workers.disk(entry.serve.verify)
             if bad:
                 log.warning("%s: %d cached chunk(s) failed their checksum; dropped",
                             entry.key, len(bad))

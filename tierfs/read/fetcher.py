@@ -39,8 +39,8 @@ import xxhash
 
 from tierfs.budget import BufferPool, MemoryBudget
 from tierfs.cache import Cache, Entry
+from tierfs.cache.chunkmap import PAGE
 from tierfs.cache.directio import pwrite_all
-from tierfs.cache.objects import PAGE
 from tierfs.read.bodies import Bodies
 from tierfs.read.flights import Flight, SingleFlight, wait_all
 from tierfs.read.landed import LandedParts
@@ -102,7 +102,7 @@ class _Sink:
         """Put the bytes in `buf` where this fetch keeps them."""
 
     def tier1(self, start: int, end: int) -> AbstractContextManager[Tier1Fill] | None:
-        return self.entry.filling(start, end) if self._tier1 else None
+        return self.entry.serve.filling(start, end) if self._tier1 else None
 
     async def worker(self, fn: Callable[..., T], *args: Any) -> T:
         return await self._run(self._unless_abandoned, fn, *args)
@@ -127,7 +127,7 @@ class _PartSink(_Sink):
     def _deliver(self) -> None:
         a, b = self.start, self.start + len(self._buf)
         try:
-            self.entry.store(a, self._buf)
+            self.entry.serve.store(a, self._buf)
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
@@ -265,7 +265,7 @@ class Fetcher:
         if anything had to be fetched."""
         fetched = False
         while True:
-            missing = entry.missing(start, end)
+            missing = entry.serve.missing(start, end)
             if not missing:
                 return fetched
             fetched = True
@@ -286,7 +286,7 @@ class Fetcher:
         ident = id(entry)
         cs = entry.chunk_size
         while True:
-            missing = entry.missing_pages(start, end)
+            missing = entry.serve.missing_pages(start, end)
             if not missing:
                 return fetched
             fetched = True
@@ -312,7 +312,7 @@ class Fetcher:
         """Start background fetches of every part of [start, end) not present or in flight."""
         if start >= end:
             return
-        for a, b in self.widen(entry, entry.missing(start, end)):
+        for a, b in self.widen(entry, entry.serve.missing(start, end)):
             for pa, pb, flight, owner in self.claim(entry, a, b):
                 if owner:
                     self.nursery.start_soon(self.fetch_part, entry, pa, pb, flight)
@@ -372,7 +372,7 @@ class Fetcher:
             if out and a < out[-1][1]:
                 a = out[-1][1]
             if a < b:
-                out.extend(entry.missing(a, b))
+                out.extend(entry.serve.missing(a, b))
         return out
 
     def claim(self, entry: Entry, a: int, b: int) -> list[tuple[int, int, Flight, bool]]:
@@ -438,7 +438,7 @@ class Fetcher:
         except BaseException:
             self.chunks.land(flight, _cancelled())
             raise
-        sink = _OwnSink(entry, a, b - a, self.workers.small, entry.store, tier1=True)
+        sink = _OwnSink(entry, a, b - a, self.workers.small, entry.serve.store, tier1=True)
         try:
             got = await self.chunks.fly(flight, partial(self._from_sources, _want(entry, a, b), sink))
         finally:
@@ -464,7 +464,7 @@ class Fetcher:
         except BaseException:
             self.pages.land(flight, _cancelled())
             raise
-        sink = _OwnSink(entry, a, b - a, self.workers.data, entry.store_pages, tier1=False)
+        sink = _OwnSink(entry, a, b - a, self.workers.data, entry.serve.store_pages, tier1=False)
         try:
             got = await self.pages.fly(flight, partial(self._from_sources, _want(entry, a, b), sink))
         finally:

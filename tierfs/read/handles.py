@@ -113,7 +113,7 @@ class ReadPath:
         except BaseException:
             await self.workers.disk(self.cache.release, entry)
             raise
-        warm = self.walk_ahead.opened(key, present=entry.state == "clean" and entry.whole())
+        warm = self.walk_ahead.opened(key, present=entry.state == "clean" and entry.serve.complete())
         if warm:
             self.prepared.want(warm)
         return ReadHandle(self, key, entry, settings)
@@ -128,7 +128,7 @@ class ReadPath:
     def _whole(self, entry: Entry) -> bool:
         """A whole small clean object in tier 1."""
         return (0 < entry.size <= self.reader.whole_max and entry.state == "clean"
-                and entry.whole())
+                and entry.serve.complete())
 
     def loads(self, entry: Entry) -> bool:
         """Whether `load` reads `entry`: a whole small object tier 1 holds all of and
@@ -139,7 +139,7 @@ class ReadPath:
         for nothing would cost a device read per open."""
         return (
             self._whole(entry)
-            and entry.unverified()
+            and entry.serve.unverified()
             and (self._kernel_reads() or (self.reader.bodies.cap >= entry.size
                                           and not self.reader.bodies.has(entry.key, entry.etag)))
         )
@@ -159,7 +159,7 @@ class ReadPath:
             return entry, None
         kernel = self._kernel_reads()
         try:
-            body = entry.read_whole(keep_pages=kernel)
+            body = entry.serve.read_whole(keep_pages=kernel)
         except (KeyError, ChunkCorrupt):
             return entry, None
         except BaseException:
@@ -172,7 +172,7 @@ class ReadPath:
     ) -> bytes | memoryview:
         await self.queued.drain_entry(entry)
         started = time.perf_counter()
-        if self.health.degraded and entry.state == "clean" and entry.missing_pages(off, off + size):
+        if self.health.degraded and entry.state == "clean" and entry.serve.missing_pages(off, off + size):
             # The store is known down: bytes tier 1 lacks fail at once, not after
             # another store deadline (the kernel retries a failed readahead with
             # a second read, which would double the caller's wait).
@@ -235,7 +235,7 @@ class ReadPath:
     ) -> None:
         """Model-like file (DESIGN §3.6): fetch it whole into tier 1 in the background,
         holding a reference of its own so a close before the end does not stop it."""
-        if entry.state != "clean" or entry.whole():
+        if entry.state != "clean" or entry.serve.complete():
             return
         held = await self.workers.disk(self.cache.open, key, etag, size, mtime)
         if held is not entry:  # replaced meanwhile: leave it to the next open

@@ -59,10 +59,10 @@ class WholePrefetch:
                     pb = min(pa + f.unit, entry.size)
                     if f.waste.cut(entry):
                         raise OSError(errno.ENOSPC, "tier 1 cannot hold it (chunks evicted unread)")
-                    if not entry.missing(pa, pb):
+                    if not entry.serve.missing(pa, pb):
                         continue
                     await slots.acquire()
-                    miss = entry.missing(pa, pb)  # again: it may have arrived meanwhile
+                    miss = entry.serve.missing(pa, pb)  # again: it may have arrived meanwhile
                     owned = [(x, y, fl) for x, y, fl, owner in
                              (f.claim(entry, miss[0][0], miss[-1][1]) if miss else ()) if owner]
                     if not owned:

@@ -141,7 +141,7 @@ class PreparedOpens:
                 entry = self.cache.open_existing(info.key, use=True)
                 if entry is not None and not (entry.state == "clean" and entry.etag == info.etag
                                               and entry.size == info.size
-                                              and entry.whole()):
+                                              and entry.serve.complete()):
                     self.cache.release(entry)  # another version, or not whole: fetch it
                     entry = None
             except (OSError, ValueError) as exc:
@@ -151,7 +151,7 @@ class PreparedOpens:
                 out.append((info, None, None))
                 continue
             if self._read_soon(entry):
-                entry.will_need()
+                entry.serve.will_need()
             opened.append((info, entry))
         for info, entry in opened:
             try:

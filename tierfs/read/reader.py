@@ -30,8 +30,8 @@ import trio
 
 from tierfs.budget import BufferPool
 from tierfs.cache import ChunkCorrupt, Entry
+from tierfs.cache.chunkmap import PAGE
 from tierfs.cache.directio import ALIGN
-from tierfs.cache.objects import PAGE
 from tierfs.read.bodies import Body
 from tierfs.read.fetcher import Fetcher, NoRoom
 from tierfs.read.streams import SMALL_READ, Fronts, ReadState
@@ -218,20 +218,20 @@ class Reader:
         """One attempt at answering [off, end): a small read from tier 1's pages, a
         big one (into `buf`) from landed memory or else from tier 1."""
         if buf is None:
-            if not fetched and entry.servable_now(off, end):
+            if not fetched and entry.serve.servable_now(off, end):
                 # A few KiB from tier 1 with nothing to verify: cheaper on the loop
                 # than a thread hop (warm random 4 KiB reads: ~1,350 -> ~3,800
                 # reads/s in bench/randread.py). Anything more (a chunk's first
                 # verification: a 1 MiB hash and an index read) goes to a worker.
-                return entry.read_pages(off, end - off)
-            return await self.workers.disk(entry.read_pages, off, end - off)
+                return entry.serve.read_pages(off, end - off)
+            return await self.workers.disk(entry.serve.read_pages, off, end - off)
         part = self._landed.pin(entry, off, end)
         if part is not None:
             stage = part.staged  # read before copy_out unpins it
             # Fetched or staged moments ago: one memcpy (under the GIL either way, so inline).
             data: bytes | memoryview = self._landed.copy_out(part, off, end, buf)
         else:
-            data = await self.workers.disk(entry.read_into, off, end - off, buf)
+            data = await self.workers.disk(entry.serve.read_aligned, off, end - off, buf)
             stage = not fetched
         if window and stage:
             # A sequential reader of tier 1 (not of bytes that just landed from the
@@ -259,7 +259,7 @@ class Reader:
         for pa in range(start - start % p, stop, p):
             pb = min(pa + p, entry.size)
             key = (id(entry), pa)
-            if key in self._staging or not entry.present(pa, pb) or self._landed.holds(entry, pa, pb):
+            if key in self._staging or not entry.serve.present(pa, pb) or self._landed.holds(entry, pa, pb):
                 continue
             self._staging.add(key)
             self.nursery.start_soon(self._stage_part, entry, pa, pb)
@@ -276,7 +276,7 @@ class Reader:
 
     def _load_part(self, buf: memoryview, entry: Entry, a: int, b: int) -> None:
         try:
-            if len(entry.read_into(a, b - a, buf)) != b - a:  # aligned `a`: lands at buf[0]
+            if len(entry.serve.read_aligned(a, b - a, buf)) != b - a:  # aligned `a`: lands at buf[0]
                 raise KeyError(f"{entry.key!r}: short tier-1 read")
         except BaseException:
             self._part_buffers.give(buf)

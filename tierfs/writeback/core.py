@@ -87,7 +87,7 @@ class WriteBack:
             had_bytes = pf.local
             pf.mark_written()  # before the bytes change: an upload reading them commits nothing
             try:
-                await self.tier1.write(entry.truncate, 0)
+                await self.tier1.write(entry.local.truncate, 0)
             except BaseException:
                 await self.tier1.release(entry)
                 if not pf.sessions and not had_bytes:
@@ -155,9 +155,9 @@ class WriteBack:
         held = await self.workers.disk(self.tier1.cache.held, key)
         if held is not None:
             try:  # POSIX: open descriptors keep reading the file after the name went
-                if held.state == "clean" and not held.whole():
+                if held.state == "clean" and not held.serve.complete():
                     await self.tier1.fetch(held, 0, held.size)
-                await self.workers.disk(held.verify)
+                await self.workers.disk(held.serve.verify)
             finally:
                 await self.tier1.release(held)
         await self.workers.disk(self.tier1.cache.remove, key)
@@ -182,7 +182,7 @@ class WriteBack:
         try:
             async with self.life.changing(pf):
                 pf.mark_written()
-                await self.workers.disk(entry.truncate, 0)
+                await self.workers.disk(entry.local.truncate, 0)
                 await self.life.seal(pf, entry)
         finally:
             await self.tier1.release(entry)

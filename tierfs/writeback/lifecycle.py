@@ -118,8 +118,8 @@ class Lifecycle:
         checksums or, for bytes the kernel wrote itself, a mark that they follow
         (a daemon crash loses nothing); `durable`: the file fsynced too (a
         machine crash neither). The version sealed."""
-        await self.tier1.disk(partial(entry.set_state, "sealed", durable=durable))
-        if entry.unhashed:
+        await self.tier1.disk(partial(entry.local.seal, durable=durable))
+        if entry.local.unhashed:
             self.uploader.digest_soon(entry)
         pf.mark_sealed(entry.size)
         return pf.version
@@ -127,7 +127,7 @@ class Lifecycle:
     async def sync_sealed(self, entry: Entry) -> None:
         """An fsync(2) of a file a close sealed without fsyncing its bytes."""
         if entry.state != "dirty":
-            await self.tier1.disk(entry.sync)
+            await self.tier1.disk(entry.local.sync)
 
     async def journal_barrier(self, pf: PendingFile, *, if_match: str | None) -> None:
         await self.publisher.journal_barrier(pf, if_match=if_match)

@@ -100,13 +100,13 @@ class Quarantine:
             raise ValueError(f"{note.key}: a newer file of that name exists; discard this one")
         entry = self.cache.open(note.key, "", 0, time.time())
         try:
-            entry.truncate(0)
+            entry.local.truncate(0)
             with open(self.root / note.file, "rb") as src:
                 off = 0
                 while piece := src.read(COPY_PIECE):
-                    entry.write(off, piece)
+                    entry.local.write(off, piece)
                     off += len(piece)
-            entry.set_state("sealed")
+            entry.local.seal()
         except BaseException:
             self.cache.release(entry)
             self.cache.remove(note.key)

@@ -103,7 +103,7 @@ class WriteSession:
         (write-through and published classes act at close on what they saw
         written)."""
         entry = self.entry
-        local = entry.state != "clean" or entry.completeness() == "verified"
+        local = entry.state != "clean" or entry.serve.completeness() == "verified"
         return (local and self.settings.write_mode == "writeback" and not self.pf.key.endswith("/")
                 and not entry.detached and not self.pf.unlinked and self._queue is None)
 
@@ -119,7 +119,7 @@ class WriteSession:
             if self.entry.state != "clean" or self.dirty:
                 return
             etag = self.entry.etag
-            await self._tier1.disk(self.entry.set_state, "dirty")
+            await self._tier1.disk(self.entry.local.make_dirty)
             pf.mark_written()
             self.dirty = True
             self._pristine = (etag, pf.attrs)
@@ -127,7 +127,7 @@ class WriteSession:
     def begin_pass_through(self) -> int:
         """The kernel writes this file from now on: the fd to register as backing file
         (no I/O: callable on the trio loop between deciding and registering)."""
-        fd = self.entry.begin_external()
+        fd = self.entry.local.begin_external()
         st = os.fstat(fd)
         self.backing_fd = fd
         self._sealed_stat = (None if self.dirty and self._pristine is None
@@ -140,7 +140,7 @@ class WriteSession:
         """Registration failed, or the handle is released: the daemon's again."""
         if self.backing_fd is not None:
             self.backing_fd = None
-            await self._tier1.disk(self.entry.end_external)
+            await self._tier1.disk(self.entry.local.end_external)
 
     def observe(self) -> None:
         """stat of a file the kernel writes: its size and mtime from the file (an
@@ -169,7 +169,7 @@ class WriteSession:
         if self.dirty:
             return
         if self.entry.state == "sealed":
-            await self._tier1.disk(self.entry.set_state, "dirty")
+            await self._tier1.disk(self.entry.local.make_dirty)
         self.pf.mark_written()
         self.dirty = True
 
@@ -188,7 +188,7 @@ class WriteSession:
         if not final:
             return True
         self._pristine = None
-        if len(pf.sessions) > 1 or not await self._tier1.disk(self.entry.undirty, etag):
+        if len(pf.sessions) > 1 or not await self._tier1.disk(self.entry.local.undirty, etag):
             return False
         self.dirty = False
         pf.mark_restored()
@@ -217,7 +217,7 @@ class WriteSession:
                 await self._queued.submit(self._queue, self.entry, off, buf)
                 pf.touched(max(pf.size, off + len(buf)))
             else:
-                await self._tier1.write(self.entry.write, off, buf)
+                await self._tier1.write(self.entry.local.write, off, buf)
                 pf.touched(self.entry.size)
             self._life.wrote(pf, off, len(buf), self.settings)
         finally:
@@ -234,14 +234,14 @@ class WriteSession:
             await self._settle()
             await pf.writes_done()
             if self.entry.state != "clean":  # what the kernel wrote (passthrough), if it did
-                await self._tier1.disk(self.entry.adopt_external)
+                await self._tier1.disk(self.entry.local.adopt_external)
             if size == self.entry.size and not always:
                 return
             self._pristine = None
             await self._make_local(min(size, self.entry.size))
             pf.mark_written()  # before the bytes change: an upload reading them commits nothing
             self.dirty = True
-            await self._tier1.write(self.entry.truncate, size)
+            await self._tier1.write(self.entry.local.truncate, size)
             self._life.truncated(pf)
             pf.touched(size)
             if self.backing_fd is not None:  # stat shows this truncate's time, not the file's

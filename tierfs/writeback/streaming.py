@@ -193,7 +193,7 @@ class Streams:
                     break
                 # The entry takes the kernel's writes in (its length: parts are read
                 # through it), and the session its size and mtime, as a stat would.
-                st = await self.workers.disk(session.entry.adopt_external)
+                st = await self.workers.disk(session.entry.local.adopt_external)
                 if session.backing_fd is not None:
                     session.observe()
                     if st.st_size > t.high:
@@ -314,7 +314,7 @@ class Streams:
         buf = await self.parts.take(n)
         try:
             view = buf[:n]
-            got = await self.workers.disk(entry.readinto, i * s.part, view)
+            got = await self.workers.disk(entry.local.read_into, i * s.part, view)
             if got != n:
                 raise OSError(errno.EIO, f"{s.key}: tier-1 copy ended at {i * s.part + got}")
             md5, sums = await self.workers.disk(_sum_and_digests, view, entry.chunk_size)

@@ -59,7 +59,7 @@ class Tier1:
         """fsync the file's bytes ahead of a durable seal, holding no lock: the seal's
         own fsync (under the file's lock) then finds little left to write."""
         try:
-            fd = entry.backing_fd()
+            fd = entry.serve.backing_fd()
         except (OSError, ValueError):  # closed or removed meanwhile: its seal says so
             return
         await self.workers.disk(os.fsync, fd)
@@ -72,7 +72,7 @@ class Tier1:
             return
         try:
             if entry.state == "clean":
-                entry.set_state("clean", etag=info.etag, mtime=info.mtime)
+                entry.local.clean(etag=info.etag, mtime=info.mtime)
         finally:
             self.cache.release(entry)
 

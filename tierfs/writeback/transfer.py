@@ -87,7 +87,7 @@ class Transfer:
         sums = None
         if entry.state == "sealed":
             try:
-                sums = await self.workers.disk(entry.chunk_sums)
+                sums = await self.workers.disk(entry.local.chunk_sums)
             except ValueError:  # dirty again: written since the check above
                 raise Superseded(f"{key!r} was written while it uploaded") from None
         digest = None if sums is None else tree_digest(sums)
@@ -140,7 +140,7 @@ class Transfer:
         their checksums since this daemon started (one recovered after a crash)
         is read back first, as the parts path reads it: the engine does not check
         them, and damaged bytes are never uploaded (ChunkCorrupt)."""
-        if entry.unverified() and entry.size:
+        if entry.serve.unverified() and entry.size:
             buf = await self.parts.take(min(self.part_size, entry.size))
             try:
                 for off in range(0, entry.size, len(buf)):
@@ -282,7 +282,7 @@ class Transfer:
             await self.workers.meta(self.store.put_tags, key, {DIGEST_META: digest})
 
     async def _read(self, entry: Entry, off: int, buf: memoryview) -> None:
-        got = await self.workers.disk(entry.readinto, off, buf)
+        got = await self.workers.disk(entry.local.read_into, off, buf)
         if got != len(buf):
             raise OSError(errno.EIO, f"{entry.key}: tier-1 copy ended at {off + got} bytes")
 

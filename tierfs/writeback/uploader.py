@@ -136,7 +136,7 @@ class Uploader:
         with trio.CancelScope(shield=True):
             try:
                 async with self._hashing:
-                    while not await self.workers.disk(entry.take_digests):
+                    while not await self.workers.disk(entry.local.take_digests):
                         pass
             except OSError as exc:  # its upload tries again, and reports what it finds
                 log.warning("taking the checksums of %r: %s", entry.key, exc)
@@ -294,7 +294,7 @@ class Uploader:
                 if entry.state == "sealed":
                     await self.events.emit(Landed(info.key, info))
                     await self.workers.disk(
-                        partial(entry.set_state, "clean", etag=info.etag, mtime=info.mtime))
+                        partial(entry.local.clean, etag=info.etag, mtime=info.mtime))
             return self.journal.landed(pf, version)
 
     async def refuse(self, pf: PendingFile, reason: str, kind: str = REFUSED_NOTE) -> None:
