@@ -123,7 +123,7 @@ MAX_CLASS_METHODS = 40
 # cache entry and the cache; crt34 S3Store, 466 lines since the engine landed):
 # over the limits today; no other class may be, and once these are split they
 # leave this list.
-NOT_SPLIT_YET = {"Entry", "Cache", "S3Store"}
+NOT_SPLIT_YET = {"S3Store"}
 
 
 def test_no_class_is_too_big() -> None:
@@ -140,3 +140,13 @@ def test_no_class_is_too_big() -> None:
                 if lines > MAX_CLASS_LINES or methods > MAX_CLASS_METHODS:
                     over[node.name] = (lines, methods)
     assert set(over) <= NOT_SPLIT_YET, over
+
+
+def test_entry_is_its_faces_not_a_god_class() -> None:
+    """The Entry (cache/objects.py) and the core its faces share stay small: what
+    read/ and writeback/ do to tier 1 lives in the faces (issue 33: <= 400 lines)."""
+    for path, name in (("tierfs/cache/objects.py", "Entry"), ("tierfs/cache/core.py", "EntryCore")):
+        for node in ast.walk(ast.parse((ROOT / path).read_text())):
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                assert node.end_lineno is not None
+                assert node.end_lineno - node.lineno + 1 <= 400, name
