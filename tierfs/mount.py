@@ -65,10 +65,13 @@ from tierfs.read.fetcher import Fetcher, fetch_unit
 from tierfs.read.handles import ReadPath
 from tierfs.read.landed import LandedParts
 from tierfs.read.prefetch import WholePrefetch
+from tierfs.read.prepared import PreparedOpens
 from tierfs.read.reader import SERVE_BUFFER, Reader
+from tierfs.read.releases import Releases
 from tierfs.read.sources import Source, StoreSource
 from tierfs.read.walkahead import WalkAhead
 from tierfs.read.walks import Walks
+from tierfs.read.warm import WarmLoads
 from tierfs.read.waste import WasteCaps
 from tierfs.sdnotify import notify
 from tierfs.sharedtier import SharedStore, SharedTier, origin_of
@@ -168,32 +171,35 @@ async def build(p: Prepared, nursery: trio.Nursery, stop: trio.Event) -> Parts:
     origin: Source = (EngineSource(store, cache.chunk_size)
                       if isinstance(store, S3Store) and store.engine is not None
                       else StoreSource(store))
+    bodies = Bodies(budget, min(BODIES_MAX, cfg.memory_budget // 8))
     fetcher = Fetcher(
         [*([shared] if shared is not None else []), origin], workers, nursery,
         cache=cache, budget=budget, parts=parts,
-        landed=LandedParts(parts, cfg.max_inflight_bytes),
-        bodies=Bodies(budget, min(BODIES_MAX, cfg.memory_budget // 8)),
+        landed=LandedParts(parts, cfg.max_inflight_bytes), bodies=bodies,
         waste=WasteCaps(cache.capacity),
         unit=fetch_unit(cfg.part_size, cache.capacity, cache.chunk_size),
         whole_max=cfg.whole_object_max, learned=ns.learn)
     reader = Reader(fetcher, workers, nursery, serve=serve_buffers,
                     readahead_min=cfg.readahead_min, observe_read=metrics.read_served)
-    # Whole-object model prefetch leaves one GET slot to demand reads
-    # elsewhere. Half the slots (2 of 4) made a cold 1 GiB safetensors
-    # load_file 3.44 s, 3 of 4 3.01 s (medians of 4 alternating runs).
-    whole_prefetch = WholePrefetch(fetcher, nursery, parallel=max(1, data_slots - 1))
     queued = QueuedWrites(nursery, _apply_write(workers), QUEUED_WRITES, budget)
     walk_ahead = WalkAhead(fetcher, health, children=ns.children_of,
                            stored=ns.stored_file, whole_max=cfg.whole_object_max,
                            parallel=max(1, cfg.max_parallel_gets - 1), walks=Walks())
     modes = OpenModes(passthrough.probe(cache_dir, cfg.passthrough), cache, workers,
                       nursery, metrics.file_open)
-    reads = ReadPath(reader, cache, workers, health, whole_prefetch,
-                     prefetch_globs=cfg.prefetch_globs,
-                     prefetch_min_size=cfg.prefetch_min_size,
-                     observe_latency=metrics.read_latency, queued=queued,
-                     walk_ahead=walk_ahead, kernel_reads=lambda: modes.mode.enabled,
-                     refresh=ns.refresh)
+    warm = WarmLoads(cache, bodies, whole_max=cfg.whole_object_max,
+                     kernel_reads=lambda: modes.mode.enabled)
+    releases = Releases(cache, workers)
+    reads = ReadPath(
+        reader, cache, workers, health, walk_ahead=walk_ahead,
+        prepared=PreparedOpens(cache, workers, warm, releases, walk_ahead), warm=warm,
+        releases=releases,
+        # Whole-object model prefetch leaves one GET slot to demand reads
+        # elsewhere. Half the slots (2 of 4) made a cold 1 GiB safetensors
+        # load_file 3.44 s, 3 of 4 3.01 s (medians of 4 alternating runs).
+        prefetch=WholePrefetch(fetcher, nursery, parallel=max(1, data_slots - 1)),
+        prefetch_globs=cfg.prefetch_globs, prefetch_min_size=cfg.prefetch_min_size,
+        observe_latency=metrics.read_latency, queued=queued, refresh=ns.refresh)
 
     # The write path; what becomes of written files is the namespace's to show.
     events = FileEvents()
@@ -216,7 +222,7 @@ async def build(p: Prepared, nursery: trio.Nursery, stop: trio.Event) -> Parts:
     publisher = Publisher(uploader, transfer, barrier, journal, conflicts, barrier_records,
                           workers, nursery, conditional=p.conditional,
                           observe=metrics.writeback_event)
-    tier1 = Tier1(cache, workers, fetch=partial(fetcher.ensure, whole_parts=True),
+    tier1 = Tier1(cache, workers, fetch=partial(fetcher.ensure, in_parts=True),
                   refresh=ns.refresh)
     life = Lifecycle(journal, tier1, policy, health, uploader, transfer, publisher, streams,
                      events)

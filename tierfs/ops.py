@@ -418,7 +418,7 @@ class ControlOps:
                 return
             active[node.inode] = entry
             try:
-                await self.fetcher.ensure(entry, 0, entry.size, whole_parts=True)
+                await self.fetcher.ensure(entry, 0, entry.size, in_parts=True)
                 done["files"] += 1
             except (OSError, StoreError) as exc:
                 failed.append({"path": node.path, "error": _reason(exc)})

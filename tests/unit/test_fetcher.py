@@ -202,8 +202,8 @@ async def test_a_miss_asks_the_next_source_and_the_bytes_land_in_tier1(
     missing = Missing()
     async with trio.open_nursery() as n:
         f = make_fetcher([missing, StoreSource(store)], cache, n)
-        assert await f.ensure(e, 0, len(data), whole_parts=True)
-        assert not await f.ensure(e, 0, len(data), whole_parts=True)  # nothing left to fetch
+        assert await f.ensure(e, 0, len(data), in_parts=True)
+        assert not await f.ensure(e, 0, len(data), in_parts=True)  # nothing left to fetch
         n.cancel_scope.cancel()
     assert sorted((w.start, w.end) for w in missing.asked) == [
         (0, PART), (PART, 2 * PART), (2 * PART, 3 * PART), (3 * PART, len(data))]
@@ -220,7 +220,7 @@ async def test_a_source_that_writes_tier1_itself_from_its_own_thread(
     engine = WritesTier1(store)
     async with trio.open_nursery() as n:
         f = make_fetcher([engine, StoreSource(store)], cache, n)
-        assert await f.ensure(e, 0, len(data), whole_parts=True)
+        assert await f.ensure(e, 0, len(data), in_parts=True)
         n.cancel_scope.cancel()
     assert engine.threads and threading.get_ident() not in engine.threads
     assert e.serve.missing(0, len(data)) == []
@@ -239,7 +239,7 @@ async def test_a_source_may_fill_a_larger_aligned_block(cache: Cache, store: Loc
     async with trio.open_nursery() as n:
         shared = Block()
         f = make_fetcher([shared, StoreSource(store)], cache, n)
-        await f.ensure(e, PART, PART + CS, whole_parts=False)  # one chunk asked
+        await f.ensure(e, PART, PART + CS, in_parts=False)  # one chunk asked
         n.cancel_scope.cancel()
     assert shared.blocks == {("k", 0): data[: 2 * PART]}  # the origin's block, put
     assert e.serve.missing(0, 2 * PART) == []  # its whole block came
@@ -257,7 +257,7 @@ async def test_what_a_get_says_of_the_object_goes_up_as_a_value(
     learned: list[tuple[str, str, dict[str, str]]] = []
     async with trio.open_nursery() as n:
         f = make_fetcher([StoreSource(store)], cache, n, learned)
-        await f.ensure(e, 0, len(data), whole_parts=True)
+        await f.ensure(e, 0, len(data), in_parts=True)
         n.cancel_scope.cancel()
     assert learned == [("m", info.etag, {"mode": "0600"})]
     cache.release(e)

@@ -28,6 +28,9 @@ from tierfs.queued_writes import QueuedWrites
 from tierfs.read.handles import ReadPath
 from tierfs.read.prefetch import WholePrefetch
 from tierfs.read.prepared import TTL_S, PreparedOpens
+from tierfs.read.releases import Releases
+from tierfs.read.walkahead import WalkAhead
+from tierfs.read.warm import WarmLoads
 from tierfs.store.base import ObjectInfo
 from tierfs.workers import Workers
 
@@ -62,21 +65,55 @@ def restarted(tmp_path: Path, store: Recorded) -> Iterator[Restarted]:
 
 
 def read_path(store: Recorded, cache: Cache, n: trio.Nursery, children: dict[str, int],
-              infos: dict[int, ObjectInfo]) -> ReadPath:
-    path = ReadPath(reader := make_reader(store, n), cache, Workers(data=1, upload=1, meta=1, disk=2),
-                    StoreHealth(probe_every=5.0), WholePrefetch(reader.fetcher, n, parallel=1), prefetch_globs=(), prefetch_min_size=1 << 30,
-                    observe_latency=lambda s: None, queued=no_writes(n),
-                    walk_ahead=walk_ahead(store, cache, n, children, infos),
-                    kernel_reads=lambda: True,
-                    refresh=partial(trio.to_thread.run_sync, store.store.head))
+              infos: dict[int, ObjectInfo], *, kernel_reads: bool = True,
+              walk: WalkAhead | None = None) -> ReadPath:
+    """A ReadPath built as mount.py builds it, running."""
+    reader = make_reader(store, n, cache)
+    workers = Workers(data=1, upload=1, meta=1, disk=2)
+    w = walk or walk_ahead(store, cache, n, children, infos)
+    warm = WarmLoads(cache, reader.bodies, whole_max=reader.whole_max,
+                     kernel_reads=lambda: kernel_reads)
+    releases = Releases(cache, workers)
+    path = ReadPath(reader, cache, workers, StoreHealth(probe_every=5.0), walk_ahead=w,
+                    prepared=PreparedOpens(cache, workers, warm, releases, w), warm=warm,
+                    releases=releases, prefetch=WholePrefetch(reader.fetcher, n, parallel=1),
+                    prefetch_globs=(), prefetch_min_size=1 << 30, observe_latency=lambda s: None,
+                    queued=no_writes(n), refresh=partial(trio.to_thread.run_sync, store.store.head))
     n.start_soon(path.run)
     return path
+
+
+class Recording:
+    """PreparedOpens's collaborators (warm loads, batched releases, the walk
+    ahead), recorded: these tests are about PreparedOpens alone, what it
+    releases, when, and what it hands on to be fetched."""
+
+    def __init__(self) -> None:
+        self.released: list[Entry] = []
+        self.absent: list[ObjectInfo] = []
+        self.bodies = self
+        self._tell, self.fetched = trio.open_memory_channel[ObjectInfo](0)
+
+    def later(self, entry: Entry) -> None:
+        self.released.append(entry)
+
+    def fetch(self, infos: list[ObjectInfo]) -> None:
+        self.absent.extend(infos)
+
+    def read_soon(self, entry: Entry) -> bool:
+        return True
+
+    def load(self, entry: Entry) -> tuple[Entry, None]:
+        return entry, None
+
+    def offer(self, key: str, etag: str, body: object) -> None:
+        """Nothing is loaded here."""
 
 
 def no_writes(nursery: trio.Nursery) -> QueuedWrites:
     """Direct writes queued before a read (none here: reads are this test's business)."""
 
-    async def never(entry: object, offset: int, data: bytes) -> None:
+    async def never(entry: Entry, offset: int, data: bytes) -> None:
         raise AssertionError("no write is queued in this test")
 
     return QueuedWrites(nursery, never, 1 << 20, MemoryBudget(1 << 30))
@@ -93,7 +130,9 @@ async def until(cond: Callable[[], bool]) -> None:
 
 
 def settled(path: ReadPath) -> bool:
-    return not path.prepared._queued and not path.prepared._opening
+    """Nothing fetched ahead waits to be opened ahead, nothing is being opened."""
+    told = path.walk_ahead.fetched.statistics().current_buffer_used
+    return not told and not path.prepared._queued and not path.prepared._opening
 
 
 async def test_a_warm_walk_finds_its_entries_opened_and_verified(
@@ -137,14 +176,12 @@ async def test_entries_nobody_takes_are_released(
 ) -> None:
     """PreparedOpens alone: what is released, when, and what goes to be fetched."""
     cache, _, infos = restarted
-    released: list[Entry] = []
-    absent: list[ObjectInfo] = []
+    rec = Recording()
+    released, absent = rec.released, rec.absent
     first, changed, *rest = sorted(infos.values(), key=lambda i: i.key)[:6]
     unknown = ObjectInfo("d/not-in-tier-1", 10, "e", 1.0)
     async with trio.open_nursery() as n:
-        p = PreparedOpens(cache, Workers(data=1, upload=1, meta=1, disk=1),
-                          read_soon=lambda e: True, load=lambda e: (e, None), offer=lambda k, t, b: None,
-                          release=released.append, absent=absent.extend)
+        p = PreparedOpens(cache, Workers(data=1, upload=1, meta=1, disk=1), rec, rec, rec)  # type: ignore[arg-type]
         n.start_soon(p.run)
         p.want([first, changed, *rest, unknown])
         await until(lambda: not p._queued and not p._opening)
@@ -169,11 +206,10 @@ async def test_entries_nobody_takes_are_released(
 
 async def test_what_is_ready_at_shutdown_is_released(restarted: Restarted) -> None:
     cache, _, infos = restarted
-    released: list[Entry] = []
+    rec = Recording()
+    released = rec.released
     async with trio.open_nursery() as n:
-        p = PreparedOpens(cache, Workers(data=1, upload=1, meta=1, disk=1),
-                          read_soon=lambda e: True, load=lambda e: (e, None), offer=lambda k, t, b: None,
-                          release=released.append, absent=lambda infos: None)
+        p = PreparedOpens(cache, Workers(data=1, upload=1, meta=1, disk=1), rec, rec, rec)  # type: ignore[arg-type]
         n.start_soon(p.run)
         p.want(list(infos.values())[:4])
         await until(lambda: not p._queued and not p._opening)

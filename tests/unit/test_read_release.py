@@ -11,22 +11,17 @@ batch and calls the real one."""
 from __future__ import annotations
 
 import time
-from functools import partial
 from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
 
-from tests.unit.test_reader import Recorded, make_reader
+from tests.unit.test_prepared import read_path
+from tests.unit.test_reader import Recorded
 from tests.unit.test_walkahead import directory, walk_ahead
-from tierfs.budget import MemoryBudget
 from tierfs.cache import Cache, Entry
-from tierfs.health import StoreHealth
-from tierfs.queued_writes import QueuedWrites
-from tierfs.read.handles import RELEASE_GATHER_S, ReadPath
-from tierfs.read.prefetch import WholePrefetch
-from tierfs.workers import Workers
+from tierfs.read.releases import RELEASE_GATHER_S
 
 
 @pytest.fixture
@@ -34,15 +29,6 @@ def store(tmp_path: Path) -> Recorded:
     root = tmp_path / "store"
     root.mkdir()
     return Recorded(root)
-
-
-def no_writes(nursery: trio.Nursery) -> QueuedWrites:
-    """Direct writes queued before a read (none here: reads are this test's business)."""
-
-    async def never(entry: object, offset: int, data: bytes) -> None:
-        raise AssertionError("no write is queued in this test")
-
-    return QueuedWrites(nursery, never, 1 << 20, MemoryBudget(1 << 30))
 
 
 async def gathered(landed: trio.Event, clock: trio.testing.MockClock) -> None:
@@ -75,12 +61,7 @@ async def test_closes_of_a_walk_share_one_release(
     cache.release_many = spy  # type: ignore[method-assign]
     async with trio.open_nursery() as n:
         w = walk_ahead(store, cache, n, children, infos)
-        path = ReadPath(reader := make_reader(store, n), cache, Workers(data=1, upload=1, meta=1, disk=1),
-                        StoreHealth(probe_every=5.0), WholePrefetch(reader.fetcher, n, parallel=1), prefetch_globs=(), prefetch_min_size=1 << 30,
-                        observe_latency=lambda s: None, queued=no_writes(n), walk_ahead=w,
-                        kernel_reads=lambda: False,
-                        refresh=partial(trio.to_thread.run_sync, store.store.head))
-        n.start_soon(path.run)
+        path = read_path(store, cache, n, children, infos, kernel_reads=False, walk=w)
         opened = []
         for info in infos.values():
             await w.reading(info.key)

@@ -20,8 +20,8 @@ from tierfs.read.fetcher import Fetcher, fetch_unit
 from tierfs.read.landed import LandedParts
 from tierfs.read.prefetch import WholePrefetch
 from tierfs.read.reader import SERVE_BUFFER, Reader
+from tierfs.read.sequential import SMALL_READ, STREAM_SLACK, ReadState
 from tierfs.read.sources import StoreSource
-from tierfs.read.streams import SMALL_READ, STREAM_SLACK, ReadState
 from tierfs.read.waste import WasteCaps
 from tierfs.store import LocalStore
 from tierfs.store.base import Received
@@ -205,7 +205,7 @@ async def test_small_random_read_fetches_only_its_pages(cache: Cache, store: Rec
             assert await r.read(e, ReadState(), off, 4096, 64 * MiB) == data[off : off + 4096]
         assert len(store.gets) == before
         # A whole-chunk fetch later supersedes the pages and reads stay right.
-        await r.fetcher.ensure(e, 0, len(data), whole_parts=True)
+        await r.fetcher.ensure(e, 0, len(data), in_parts=True)
         assert e.serve.read(0, len(data)) == data
         n.cancel_scope.cancel()
     cache.release(e)
@@ -259,7 +259,7 @@ async def test_readahead_never_refetches_present_chunks(cache: Cache, store: Rec
     e.serve.store(CS, data[CS : 3 * CS])  # chunks 1-2 of the first part already cached
     async with trio.open_nursery() as n:
         r = make_reader(store, n)
-        await r.fetcher.ensure(e, 0, len(data), whole_parts=True)
+        await r.fetcher.ensure(e, 0, len(data), in_parts=True)
         n.cancel_scope.cancel()
     assert e.serve.read(0, len(data)) == data
     assert store.bytes_fetched == len(data) - 2 * CS

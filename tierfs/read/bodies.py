@@ -68,11 +68,6 @@ class Bodies:
             self._bytes -= len(data)
             self.budget.give(len(data))
 
-    def drop_key(self, key: str) -> None:
-        """Every version of `key` (it changed or went away here)."""
-        for k in [k for k in self._items if k[0] == key]:
-            self.drop(*k)
-
     def shrink(self, want: int) -> int:
         """Give back about `want` bytes, oldest first; the bytes given."""
         freed = 0

@@ -260,8 +260,8 @@ class Fetcher:
 
     # -- what readers ask for ----------------------------------------------------
 
-    async def ensure(self, entry: Entry, start: int, end: int, *, whole_parts: bool) -> bool:
-        """Make [start, end) present in tier 1 (`whole_parts`: in whole parts); True
+    async def ensure(self, entry: Entry, start: int, end: int, *, in_parts: bool) -> bool:
+        """Make [start, end) present in tier 1 (`in_parts`: in whole parts); True
         if anything had to be fetched."""
         fetched = False
         while True:
@@ -270,7 +270,7 @@ class Fetcher:
                 return fetched
             fetched = True
             waits: list[Flight] = []
-            if whole_parts:
+            if in_parts:
                 missing = self.widen(entry, missing)
             for a, b in missing:
                 for pa, pb, flight, owner in self.claim(entry, a, b):

@@ -19,26 +19,21 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from tierfs.cache import Cache, ChunkCorrupt, Entry
+from tierfs.cache import Cache, Entry
 from tierfs.config import ClassSettings
 from tierfs.globs import glob_to_regex
 from tierfs.health import StoreHealth
 from tierfs.queued_writes import QueuedWrites
+from tierfs.read.bodies import Body
 from tierfs.read.prefetch import WholePrefetch
 from tierfs.read.prepared import PreparedOpens
 from tierfs.read.reader import Reader
-from tierfs.read.streams import ReadState
+from tierfs.read.releases import Releases
+from tierfs.read.sequential import ReadState
 from tierfs.read.walkahead import WalkAhead
+from tierfs.read.warm import WarmLoads
 from tierfs.store.base import ObjectInfo, StoreError
 from tierfs.workers import Workers
-
-# Closes gathered into one release batch: a warm walk closes a file every ~0.5 ms.
-# A batch started at once held one close (a hop and a commit per file); one
-# gathered for 5 ms about ten, and its hops were still a tenth of a warm walk's
-# time (1.70 s vs 1.50 s for 3,000 files gathered for 50 ms: worker wake-ups and
-# GIL hand-offs with the loop). A closed entry stays unevictable that long.
-RELEASE_GATHER_S = 0.05
-RELEASE_BATCH_MAX = 256
 
 log = logging.getLogger(__name__)
 
@@ -50,36 +45,32 @@ class ReadPath:
         cache: Cache,
         workers: Workers,
         health: StoreHealth,
-        prefetch: WholePrefetch,
         *,
+        walk_ahead: WalkAhead,
+        prepared: PreparedOpens,
+        warm: WarmLoads,
+        releases: Releases,
+        prefetch: WholePrefetch,
         prefetch_globs: tuple[str, ...],
         prefetch_min_size: int,
         observe_latency: Callable[[float], None],
         queued: QueuedWrites,
-        walk_ahead: WalkAhead,
-        kernel_reads: Callable[[], bool],
         refresh: Callable[[str], Awaitable[ObjectInfo]],
     ) -> None:
         self.reader = reader
-        self.whole_prefetch = prefetch
-        self.walk_ahead = walk_ahead
-        self.queued = queued  # writes acknowledged, not yet in tier 1
-        self.refresh = refresh  # the store's current version of a key (Namespace.refresh)
-        # Whether the kernel reads a verified object's tier-1 file itself (passthrough
-        # on): the file's pages are then worth keeping and its bytes in memory not.
-        self._kernel_reads = kernel_reads
         self.cache = cache
         self.workers = workers
         self.health = health
+        self.walk_ahead = walk_ahead
+        self.prepared = prepared
+        self.warm = warm
+        self.releases = releases
+        self.whole_prefetch = prefetch
         self._prefetch = [glob_to_regex(g) for g in prefetch_globs]
         self._prefetch_min = prefetch_min_size
         self._observe_latency = observe_latency
-        self._releasing: list[Entry] = []  # entries of read handles closed, to release
-        self._release_due = trio.Event()
-        self.prepared = PreparedOpens(cache, workers, read_soon=self.read_soon, load=self.load,
-                                      offer=reader.bodies.offer, release=self._release_later,
-                                      absent=walk_ahead.fetch)
-        walk_ahead.on_fetched = self.prepared.want
+        self.queued = queued  # writes acknowledged, not yet in tier 1
+        self.refresh = refresh  # the store's current version of a key (Namespace.refresh)
 
     async def open(
         self, key: str, etag: str, size: int, mtime: float, settings: ClassSettings
@@ -106,7 +97,7 @@ class ReadPath:
                 assert opened is not None
             entry, body = opened
             if body is not None:
-                self.reader.bodies.offer(key, entry.etag, body)
+                self.warm.bodies.offer(key, entry.etag, body)
         try:
             if self._wants_prefetch(key, size) and not self.whole_prefetch.running(entry):
                 await self._prefetch_object(key, etag, size, mtime, entry)
@@ -118,54 +109,12 @@ class ReadPath:
             self.prepared.want(warm)
         return ReadHandle(self, key, entry, settings)
 
-    def _open(self, key: str, etag: str, size: int, mtime: float) -> tuple[Entry, bytes | None] | None:
+    def _open(self, key: str, etag: str, size: int, mtime: float) -> tuple[Entry, Body | None] | None:
         """(In a worker) the tier-1 entry of an object, loaded (`load`) in the same
         hop; None for a file this mount wrote (`etag` "") that tier 1 no longer
         holds (Cache.open_seen)."""
         entry = self.cache.open_seen(key, etag, size, mtime)
-        return None if entry is None else self.load(entry)
-
-    def _whole(self, entry: Entry) -> bool:
-        """A whole small clean object in tier 1."""
-        return (0 < entry.size <= self.reader.whole_max and entry.state == "clean"
-                and entry.serve.complete())
-
-    def loads(self, entry: Entry) -> bool:
-        """Whether `load` reads `entry`: a whole small object tier 1 holds all of and
-        none of which was served since the daemon started (a warm pass after a
-        remount: its first read would verify it in a hop of its own, and
-        passthrough takes verified files only). An object served before is not
-        loaded: the kernel may well still hold its pages (keep_cache), and a load
-        for nothing would cost a device read per open."""
-        return (
-            self._whole(entry)
-            and entry.serve.unverified()
-            and (self._kernel_reads() or (self.reader.bodies.cap >= entry.size
-                                          and not self.reader.bodies.has(entry.key, entry.etag)))
-        )
-
-    def read_soon(self, entry: Entry) -> bool:
-        """Whether the device is read for `entry` right after its open: it `loads`,
-        or the kernel reads its file through passthrough (with no page cache of
-        the mount's own in front: the next epoch reads tier 1 again)."""
-        return self.loads(entry) or (self._kernel_reads() and self._whole(entry))
-
-    def load(self, entry: Entry) -> tuple[Entry, bytes | None]:
-        """(In a worker) an open entry, verified if it `loads`, and its bytes for the
-        daemon's reads (bodies.py); with passthrough the kernel reads the file, so
-        its pages are kept instead. Released if this fails other than by tier 1
-        lacking or spoiling the bytes (the read path refetches those)."""
-        if not self.loads(entry):
-            return entry, None
-        kernel = self._kernel_reads()
-        try:
-            body = entry.serve.read_whole(keep_pages=kernel)
-        except (KeyError, ChunkCorrupt):
-            return entry, None
-        except BaseException:
-            self.cache.release(entry)
-            raise
-        return entry, None if kernel else body
+        return None if entry is None else self.warm.load(entry)
 
     async def read(
         self, entry: Entry, state: ReadState, off: int, size: int, settings: ClassSettings
@@ -184,45 +133,20 @@ class ReadPath:
     def release(self, key: str, entry: Entry) -> None:
         """A read handle of `key` was closed: its entry is released by `run`."""
         self.walk_ahead.done_reading(key)
-        self._release_later(entry)
-
-    def _release_later(self, entry: Entry) -> None:
-        self._releasing.append(entry)
-        self._release_due.set()
+        self.releases.later(entry)
 
     async def run(self) -> None:
         """For the mount's life (in its nursery): open ahead what warm walks want
-        (prepared.py) and release the entries of closed read handles, all those
-        closed since the last batch in one worker hop and one index transaction
-        (Cache.release_many). A walk through 10,000 small files closes one a
-        file: a hop and a commit each were a fifth of the daemon's CPU (issue
-        21), so a batch waits RELEASE_GATHER_S for the closes that follow its
-        first. An entry released up to 50 ms late only stays unevictable that long.
-        A batch taken is released even if the mount stops meanwhile (cancelled
-        before its hop started, its references were lost). What is left at
-        shutdown (entries opened ahead included) is released then."""
+        (prepared.py) and release the entries of closed read handles in batches
+        (releases.py). What is left at shutdown (entries opened ahead included)
+        is released then."""
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.prepared.run)
-                while True:
-                    await self._release_due.wait()
-                    if len(self._releasing) < RELEASE_BATCH_MAX:
-                        await trio.sleep(RELEASE_GATHER_S)
-                    self._release_due = trio.Event()
-                    with trio.CancelScope(shield=True):  # a batch taken is released whole
-                        await self._release_batch()
+                nursery.start_soon(self.releases.run)
         finally:
             with trio.CancelScope(shield=True):
-                await self._release_batch()
-
-    async def _release_batch(self) -> None:
-        batch, self._releasing = self._releasing, []
-        if not batch:
-            return
-        try:
-            await self.workers.disk(self.cache.release_many, batch)
-        except (OSError, ValueError) as exc:  # the index: its uses are lost, nothing else
-            log.warning("releasing %d closed file(s): %s", len(batch), exc)
+                await self.releases.flush()
 
     def _wants_prefetch(self, key: str, size: int) -> bool:
         if size < self._prefetch_min:

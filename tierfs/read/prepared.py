@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
 
 import trio
 
 from tierfs.cache import Cache, Entry
 from tierfs.read.bodies import Body
+from tierfs.read.releases import Releases
+from tierfs.read.walkahead import WalkAhead
+from tierfs.read.warm import WarmLoads
 from tierfs.store.base import ObjectInfo
 from tierfs.workers import Workers
 
@@ -40,20 +42,15 @@ class PreparedOpens:
         self,
         cache: Cache,
         workers: Workers,
-        *,
-        read_soon: Callable[[Entry], bool],
-        load: Callable[[Entry], tuple[Entry, Body | None]],
-        offer: Callable[[str, str, Body], None],
-        release: Callable[[Entry], None],
-        absent: Callable[[list[ObjectInfo]], None],
+        warm: WarmLoads,
+        releases: Releases,
+        walk_ahead: WalkAhead,
     ) -> None:
         self.cache = cache
         self.workers = workers
-        self._read_soon = read_soon  # whether an entry's file is read right after its open
-        self._load = load  # (in a worker) that, and the bytes if the daemon serves them
-        self._offer = offer  # the bytes loaded, kept for the reader's read (bodies.py)
-        self._release = release  # an entry nobody took
-        self._absent = absent  # objects tier 1 lacks: fetched ahead instead
+        self.warm = warm  # which opens read the file at once, and their loads (bodies)
+        self.releases = releases  # entries nobody took go back in the next batch
+        self.walk_ahead = walk_ahead  # fetches ahead what tier 1 lacks; tells what it fetched
         self._queued: OrderedDict[str, ObjectInfo] = OrderedDict()
         self._opening: dict[str, trio.Event] = {}
         self._ready: OrderedDict[str, tuple[Entry, float]] = OrderedDict()  # key -> entry, when
@@ -84,7 +81,7 @@ class PreparedOpens:
             return None
         entry = got[0]
         if entry.etag != etag or entry.size != size:  # the object changed meanwhile
-            self._release(entry)
+            self.releases.later(entry)
             return None
         self.taken += 1
         return entry
@@ -94,15 +91,23 @@ class PreparedOpens:
         hop, and release what waited too long. What is ready at shutdown is
         released then."""
         try:
-            while True:
-                with trio.move_on_after(TTL_S):
-                    await self._due.wait()
-                self._due = trio.Event()
-                self._expire(trio.current_time() - TTL_S)
-                while self._queued:
-                    await self._open_batch()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._take_fetched)
+                while True:
+                    with trio.move_on_after(TTL_S):
+                        await self._due.wait()
+                    self._due = trio.Event()
+                    self._expire(trio.current_time() - TTL_S)
+                    while self._queued:
+                        await self._open_batch()
         finally:
             self._expire(float("inf"))
+
+    async def _take_fetched(self) -> None:
+        """Objects just fetched ahead of a walk are opened ahead too: their reader's
+        open then needs no hop of its own."""
+        async for info in self.walk_ahead.fetched:
+            self.want([info])
 
     async def _open_batch(self) -> None:
         batch = [self._queued.popitem(last=False)[1] for _ in range(min(BATCH, len(self._queued)))]
@@ -120,11 +125,11 @@ class PreparedOpens:
                     continue
                 self._ready[info.key] = (entry, now)
                 if body is not None:
-                    self._offer(info.key, entry.etag, body)
+                    self.warm.bodies.offer(info.key, entry.etag, body)
             for info in batch:
                 self._opening.pop(info.key).set()
             if absent:
-                self._absent(absent)
+                self.walk_ahead.fetch(absent)
 
     def _open_all(
         self, batch: list[ObjectInfo]
@@ -150,12 +155,12 @@ class PreparedOpens:
             if entry is None:
                 out.append((info, None, None))
                 continue
-            if self._read_soon(entry):
+            if self.warm.read_soon(entry):
                 entry.serve.will_need()
             opened.append((info, entry))
         for info, entry in opened:
             try:
-                out.append((info, *self._load(entry)))
+                out.append((info, *self.warm.load(entry)))
             except (OSError, ValueError) as exc:  # released by `load`
                 log.debug("loading %r ahead: %s", info.key, exc)
         return out
@@ -166,4 +171,4 @@ class PreparedOpens:
             if at > before:
                 return
             del self._ready[key]
-            self._release(entry)
+            self.releases.later(entry)

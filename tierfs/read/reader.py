@@ -8,7 +8,7 @@ keeps reads in flight ahead of a sequential reader). A small object (up to
 `whole_max`: an image, a clip, a JSON file) is fetched whole into tier 1 by
 any read of it and served from memory (bodies.py) when its bytes are there.
 
-Readahead follows the streams of streams.py: a read with a window keeps up
+Readahead follows the streams of sequential.py: a read with a window keeps up
 to `max_parallel_gets` part-sized GETs in flight ahead of it. A read with no
 window fetches only what it touches: whole chunks for a big read, just its
 4 KiB pages for a small one, so a random 4 KiB read costs about 4 KiB from
@@ -34,7 +34,7 @@ from tierfs.cache.chunkmap import PAGE
 from tierfs.cache.directio import ALIGN
 from tierfs.read.bodies import Body
 from tierfs.read.fetcher import Fetcher, NoRoom
-from tierfs.read.streams import SMALL_READ, Fronts, ReadState
+from tierfs.read.sequential import SMALL_READ, Fronts, ReadState
 from tierfs.workers import Workers
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class Reader:
             through = await self._through(entry, off, end, window)
             self.observe_read("store", len(through))
             return through
-        whole = self.is_whole(entry)
+        whole = self.fetched_whole(entry)
         small = not whole and not window and end - off <= SMALL_READ and _pages_ok(entry)
         with entry.holding(off, end):
             try:
@@ -129,7 +129,7 @@ class Reader:
         body = self.bodies.get(entry.key, entry.etag)
         return body if body is not None and len(body) == entry.size else None
 
-    def is_whole(self, entry: Entry) -> bool:
+    def fetched_whole(self, entry: Entry) -> bool:
         """A small object: fetched whole by any read of it."""
         return entry.size <= self.whole_max and entry.state == "clean"
 
@@ -139,7 +139,7 @@ class Reader:
         """[off, end) through tier 1 (its chunks are held by the caller); the bytes,
         and whether any had to be fetched."""
         if whole:
-            fetched = await self.fetcher.ensure(entry, 0, entry.size, whole_parts=False)
+            fetched = await self.fetcher.ensure(entry, 0, entry.size, in_parts=False)
             body = self._body(entry)  # this fetch's bytes (or a fetch ahead's)
             if body is not None:
                 if end >= entry.size:
@@ -149,7 +149,7 @@ class Reader:
         elif small:
             fetched = await self.fetcher.ensure_pages(entry, off, end)
         else:
-            fetched = await self.fetcher.ensure(entry, off, end, whole_parts=window > 0)
+            fetched = await self.fetcher.ensure(entry, off, end, in_parts=window > 0)
         if window:
             self.fetcher.prefetch(entry, end, min(end + window, entry.size))
         for _ in range(3):
@@ -169,7 +169,7 @@ class Reader:
             if small:
                 fetched = await self.fetcher.ensure_pages(entry, off, end) or fetched
             else:
-                fetched = await self.fetcher.ensure(entry, off, end, whole_parts=False) or fetched
+                fetched = await self.fetcher.ensure(entry, off, end, in_parts=False) or fetched
         raise OSError(errno.EIO, "cache keeps returning corrupt data")
 
     # -- a tier 1 too small or full: reads through memory ----------------------

@@ -10,7 +10,7 @@ them); this module turns what it asks for into whole-object fetches into tier
 memory: bodies.py) or already in flight (the open waits for that fetch:
 `reading`). A fetch ahead is the fetcher's `fetch_whole` (one worker hop: GET
 and the new tier-1 file, one index transaction); what it fetched is then
-opened ahead (`on_fetched`, prepared.py), a batch per hop.
+opened ahead (`fetched`, taken by prepared.py), a batch per hop.
 
 Bounds: at most `parallel` fetches at a time (one GET slot is left to demand
 reads), each taking its object's bytes from the memory budget while in
@@ -23,6 +23,7 @@ ahead is not a use for eviction (the reader's own open is).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
@@ -72,10 +73,9 @@ class WalkAhead:
         self._wanted: set[str] = set()  # keys queued or being fetched
         self._ahead: OrderedDict[str, bool] = OrderedDict()  # fetched ahead, not opened since
         self._reading: Counter[str] = Counter()  # keys open by readers (handles.py)
-        self.fetched = 0  # objects fetched ahead (status, tests)
-        # Objects just fetched ahead, to be opened ahead too (ReadPath wires it to
-        # prepared.py: their reader's open then needs no hop of its own).
-        self.on_fetched: Callable[[list[ObjectInfo]], None] = lambda infos: None
+        # Objects just fetched ahead, to be opened ahead too (prepared.py takes them:
+        # their reader's open then needs no hop of its own); none kept when it lags.
+        self._tell, self.fetched = trio.open_memory_channel[ObjectInfo](QUEUED)
 
     def opened(self, key: str, present: bool) -> list[ObjectInfo]:
         """The reader opened object `key` (from the trio loop), whole in tier 1 or
@@ -163,8 +163,8 @@ class WalkAhead:
             return  # tier 1 had it
         if body is not None:
             self.fetcher.bodies.offer(info.key, info.etag, body)  # its reader's read: no hop
-        self.fetched += 1
         self._ahead[info.key] = True
-        self.on_fetched([info])
+        with contextlib.suppress(trio.WouldBlock):
+            self._tell.send_nowait(info)
         if len(self._ahead) > 2 * QUEUED:
             self._ahead.popitem(last=False)

@@ -8,7 +8,7 @@ apart). If every file waits for its own GET, such a walk runs at one store
 round trip per file however fast the reader is. So a walk that is seen has
 the next files of its directory fetched while the current ones are read.
 
-A walk is seen the way a sequential stream is (streams.py), over listing
+A walk is seen the way a sequential stream is (sequential.py), over listing
 positions instead of byte offsets: each directory keeps a few cursors. A
 cursor becomes a walk once the next two positions after it were opened, each
 right after the one before; from then on an open shortly after it (within

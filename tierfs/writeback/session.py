@@ -27,7 +27,7 @@ from tierfs.cache import Entry
 from tierfs.config import ClassSettings
 from tierfs.posix import Attrs
 from tierfs.queued_writes import QueuedWrites, WriteQueue
-from tierfs.read.streams import ReadState
+from tierfs.read.sequential import ReadState
 from tierfs.store.base import StoreError
 from tierfs.writeback.lifecycle import Lifecycle
 from tierfs.writeback.pending import FileState, PendingFile
