@@ -323,7 +323,7 @@ async def _namespace_hears(ns: Namespace, event: FileEvent) -> None:
 
 
 def _apply_write(workers: Workers) -> Callable[[Entry, int, bytes], Awaitable[None]]:
-    """How a queued direct write reaches tier 1: Entry.write in a disk worker."""
+    """How a queued direct write reaches tier 1: entry.local.write in a disk worker."""
 
     async def apply(entry: Entry, offset: int, data: bytes) -> None:
         await workers.disk(entry.local.write, offset, data)

@@ -8,7 +8,7 @@ fetched parts cost ~1.0-1.6 s of CPU (fresh page allocation and later
 writeback), the same write with O_DIRECT ~0.05 s. So fetched chunks go to
 tier 1 through O_DIRECT whenever offset, length and memory are aligned, and
 only unaligned tails (the end of an object) use the page cache. Reads of
-tier 1 stay buffered (see `Entry.read_into`): O_DIRECT reads were cheaper in
+tier 1 stay buffered (see `Serving.read_aligned`): O_DIRECT reads were cheaper in
 CPU but left the device idle between requests, halving warm throughput.
 
 O_DIRECT wants the file offset, the length and the buffer address aligned to

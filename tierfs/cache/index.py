@@ -7,7 +7,7 @@ keys of any length fit (LMDB keys stop at 511 bytes):
   chunks   file_id(16) + chunk_index(4, BE)      -> xxh3_64 digest (8)
            file_id(16) + UNHASHED(4)              -> boot_id(16) + durable(1): a sealed
                                                     file whose checksums are still
-                                                    being taken (Entry.take_digests)
+                                                    being taken (LocalCopy.take_digests)
   order    segment(1) + rank_ns(8, BE) + key_hash(16) -> b""   (clean objects only)
   listings key_hash(prefix)                      -> a kept directory listing (listings.py)
   meta     version, identity, chunk_size, used, protected

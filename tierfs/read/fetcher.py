@@ -8,7 +8,7 @@ Four kinds of fetch, each claimed in a `SingleFlight` table of its own:
   (landed.py); a small object (up to `whole_max`) is fetched whole into memory
   of its own size instead and offered to its reader (bodies.py);
 - pages (`pages`): the 4 KiB pages of a small random read, so it costs about
-  4 KiB from the store (`Entry.store_pages`);
+  4 KiB from the store (`Serving.store_pages`);
 - through memory (`memory`): units read into part buffers and served from
   there, never written to tier 1 (a tier 1 too small or full: waste.py);
 - whole objects ahead of a walk (`objects`, by key): fetched into a new tier-1
@@ -280,7 +280,7 @@ class Fetcher:
             await wait_all(waits)
 
     async def ensure_pages(self, entry: Entry, start: int, end: int) -> bool:
-        """Make the pages of [start, end) servable by `Entry.read_pages`, fetching only
+        """Make the pages of [start, end) servable by `Serving.read_pages`, fetching only
         the missing pages (or waiting for a chunk fetch already covering them)."""
         fetched = False
         ident = id(entry)

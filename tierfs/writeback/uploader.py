@@ -123,7 +123,7 @@ class Uploader:
                 nursery.start_soon(self._worker)
 
     def digest_soon(self, entry: Entry) -> None:
-        """Take the checksums `entry`'s seal left to take (Entry.take_digests), in the
+        """Take the checksums `entry`'s seal left to take (LocalCopy.take_digests), in the
         background: done by the time its quiet delay ends, else its upload takes
         the rest itself."""
         if self._nursery is not None and self.cache.retain(entry):
