@@ -197,8 +197,8 @@ async def build(p: Prepared, nursery: trio.Nursery, stop: trio.Event) -> Parts:
         # Whole-object model prefetch leaves one GET slot to demand reads
         # elsewhere. Half the slots (2 of 4) made a cold 1 GiB safetensors
         # load_file 3.44 s, 3 of 4 3.01 s (medians of 4 alternating runs).
-        prefetch=WholePrefetch(fetcher, nursery, parallel=max(1, data_slots - 1)),
-        prefetch_globs=cfg.prefetch_globs, prefetch_min_size=cfg.prefetch_min_size,
+        prefetch=WholePrefetch(fetcher, cache, workers, nursery, parallel=max(1, data_slots - 1),
+                               globs=cfg.prefetch_globs, min_size=cfg.prefetch_min_size),
         observe_latency=metrics.read_latency, queued=queued, refresh=ns.refresh)
 
     # The write path; what becomes of written files is the namespace's to show.

@@ -76,8 +76,8 @@ def read_path(store: Recorded, cache: Cache, n: trio.Nursery, children: dict[str
     releases = Releases(cache, workers)
     path = ReadPath(reader, cache, workers, StoreHealth(probe_every=5.0), walk_ahead=w,
                     prepared=PreparedOpens(cache, workers, warm, releases, w), warm=warm,
-                    releases=releases, prefetch=WholePrefetch(reader.fetcher, n, parallel=1),
-                    prefetch_globs=(), prefetch_min_size=1 << 30, observe_latency=lambda s: None,
+                    releases=releases, prefetch=WholePrefetch(reader.fetcher, cache, workers, n, parallel=1),
+                    observe_latency=lambda s: None,
                     queued=no_writes(n), refresh=partial(trio.to_thread.run_sync, store.store.head))
     n.start_soon(path.run)
     return path

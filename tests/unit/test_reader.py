@@ -276,7 +276,7 @@ async def test_prefetch_object_fills_tier1_and_releases(cache: Cache, store: Rec
 
     async with trio.open_nursery() as n:
         r = make_reader(store, n)
-        whole = WholePrefetch(r.fetcher, n, parallel=4)
+        whole = WholePrefetch(r.fetcher, cache, r.workers, n, parallel=4)
         whole.start(e, done)
         assert whole.running(e)
         # a read elsewhere is answered while the prefetch runs

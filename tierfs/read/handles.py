@@ -21,7 +21,6 @@ import trio
 
 from tierfs.cache import Cache, Entry
 from tierfs.config import ClassSettings
-from tierfs.globs import glob_to_regex
 from tierfs.health import StoreHealth
 from tierfs.queued_writes import QueuedWrites
 from tierfs.read.bodies import Body
@@ -51,8 +50,6 @@ class ReadPath:
         warm: WarmLoads,
         releases: Releases,
         prefetch: WholePrefetch,
-        prefetch_globs: tuple[str, ...],
-        prefetch_min_size: int,
         observe_latency: Callable[[float], None],
         queued: QueuedWrites,
         refresh: Callable[[str], Awaitable[ObjectInfo]],
@@ -66,8 +63,6 @@ class ReadPath:
         self.warm = warm
         self.releases = releases
         self.whole_prefetch = prefetch
-        self._prefetch = [glob_to_regex(g) for g in prefetch_globs]
-        self._prefetch_min = prefetch_min_size
         self._observe_latency = observe_latency
         self.queued = queued  # writes acknowledged, not yet in tier 1
         self.refresh = refresh  # the store's current version of a key (Namespace.refresh)
@@ -99,8 +94,7 @@ class ReadPath:
             if body is not None:
                 self.warm.bodies.offer(key, entry.etag, body)
         try:
-            if self._wants_prefetch(key, size) and not self.whole_prefetch.running(entry):
-                await self._prefetch_object(key, etag, size, mtime, entry)
+            await self.whole_prefetch.opened(key, etag, size, mtime, entry)
         except BaseException:
             await self.workers.disk(self.cache.release, entry)
             raise
@@ -147,29 +141,6 @@ class ReadPath:
         finally:
             with trio.CancelScope(shield=True):
                 await self.releases.flush()
-
-    def _wants_prefetch(self, key: str, size: int) -> bool:
-        if size < self._prefetch_min:
-            return False
-        base = key.rsplit("/", 1)[-1]
-        return any(rx.match(base) for rx in self._prefetch)
-
-    async def _prefetch_object(
-        self, key: str, etag: str, size: int, mtime: float, entry: Entry
-    ) -> None:
-        """Model-like file (DESIGN §3.6): fetch it whole into tier 1 in the background,
-        holding a reference of its own so a close before the end does not stop it."""
-        if entry.state != "clean" or entry.serve.complete():
-            return
-        held = await self.workers.disk(self.cache.open, key, etag, size, mtime)
-        if held is not entry:  # replaced meanwhile: leave it to the next open
-            await self.workers.disk(self.cache.release, held)
-            return
-
-        async def done() -> None:
-            await self.workers.disk(self.cache.release, held)
-
-        self.whole_prefetch.start(held, done)
 
 
 class ReadHandle:

@@ -20,9 +20,11 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from tierfs.cache import Entry
+from tierfs.cache import Cache, Entry
+from tierfs.globs import glob_to_regex
 from tierfs.read.fetcher import Fetcher
 from tierfs.read.flights import Flight
+from tierfs.workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +32,41 @@ Done = Callable[[], Awaitable[None]]
 
 
 class WholePrefetch:
-    def __init__(self, fetcher: Fetcher, nursery: trio.Nursery, *, parallel: int) -> None:
+    def __init__(self, fetcher: Fetcher, cache: Cache, workers: Workers, nursery: trio.Nursery, *,
+                 parallel: int, globs: tuple[str, ...] = (), min_size: int = 0) -> None:
         self.fetcher = fetcher
+        self.cache = cache
+        self.workers = workers
         self.nursery = nursery
         self.parallel = max(1, parallel)
+        self._globs = [glob_to_regex(g) for g in globs]  # model-like names ([read] prefetch_globs)
+        self._min_size = min_size
         self._running: set[int] = set()  # id() of entries with a prefetch running
 
     def running(self, entry: Entry) -> bool:
         return id(entry) in self._running
+
+    def wants(self, key: str, size: int) -> bool:
+        """A model-like file: its name matches a prefetch glob, and it is big enough."""
+        base = key.rsplit("/", 1)[-1]
+        return size >= self._min_size and any(rx.match(base) for rx in self._globs)
+
+    async def opened(self, key: str, etag: str, size: int, mtime: float, entry: Entry) -> None:
+        """An open of `entry`: a model-like file tier 1 lacks some of is fetched whole
+        in the background, holding a reference of its own (a close before the end
+        does not stop it)."""
+        if (not self.wants(key, size) or self.running(entry) or entry.state != "clean"
+                or entry.serve.complete()):
+            return
+        held = await self.workers.disk(self.cache.open, key, etag, size, mtime)
+        if held is not entry:  # replaced meanwhile: leave it to the next open
+            await self.workers.disk(self.cache.release, held)
+            return
+
+        async def done() -> None:
+            await self.workers.disk(self.cache.release, held)
+
+        self.start(held, done)
 
     def start(self, entry: Entry, done: Done | None = None) -> None:
         """Fetch the whole object into tier 1 in the background, in order. `done` runs
