@@ -1,16 +1,24 @@
-"""`ls -l` of a directory of tiny objects on a node that never saw them (issue 20).
+"""`ls -l` of a directory of tiny objects on a node that never saw them (issues 20, 36).
 
 N objects of 64 bytes are uploaded with boto3 (as any other tool writes a
 dataset) under ls/ in the default class, beside N/100 symlinks made through a
 tierfs mount (as another node would), and copied to a local ext4 directory.
 Every run: page cache dropped, `ls -l` of the local copy; a fresh tierfs mount
 with an empty tier 1, page cache dropped, `ls -l` twice, with the store
-requests (LIST, HEAD) each cost. A listing carries no user metadata: tierfs
-HEADs only the small objects whose ETag says they may be typed (the symlinks
-it made), not one per object. Medians, the load beside them, JSON in
-bench/results/lsl.json. Run as root (drop_caches).
+requests (LIST, HEAD, GET) each cost. A listing carries no user metadata:
+tierfs HEADs none of the objects other tools wrote, and learns what it wrote
+itself (the symlinks) from the directory's attribute object (one GET).
 
-Usage: python bench/lsl.py [--count 2000] [--runs 3]
+--cp-a M: also M files of 100 bytes, 0644 and 0600, each with its own
+preserved mtime, copied into the mount with `cp -a` (issue 36), then per run
+`ls -l` of them from a fresh node: its time, its requests per 1,000 entries
+(LIST pages + attribute objects; HEADs), and whether every mtime and mode
+shown is the local copy's.
+
+Medians, the load beside them, JSON in bench/results/lsl.json. Run as root
+(drop_caches).
+
+Usage: python bench/lsl.py [--count 2000] [--runs 3] [--cp-a 10000]
 """
 
 from __future__ import annotations
@@ -31,21 +39,54 @@ DIR = "ls"
 BODY = 64
 
 
+CP_DIR = "cpa"
+T0 = 1_600_000_000
+
+
 def extra_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--count", type=int, default=2000, help="objects (default 2000)")
+    p.add_argument("--cp-a", type=int, default=0, help="files copied with cp -a (default 0: none)")
 
 
-def ls_l(d: Path) -> float:
+def ls_l(d: Path, out: list[bytes] | None = None) -> float:
     t = time.perf_counter()
-    res = subprocess.run(["ls", "-l", str(d)], capture_output=True, check=True, timeout=600)
+    res = subprocess.run(["ls", "-l", "--time-style=+%s", str(d)], capture_output=True,
+                         check=True, timeout=600)
     secs = time.perf_counter() - t
     assert res.stdout.count(b"\n") > 1
+    if out is not None:
+        out[:] = res.stdout.splitlines()[1:]
     return secs
 
 
 def requests(m: TierfsMount) -> dict[str, float]:
     reqs = m.status()["store"]["requests"]
-    return {op: float(reqs.get(op, {}).get("ok", 0)) for op in ("list", "head")}
+    return {op: float(reqs.get(op, {}).get("ok", 0)) for op in ("list", "head", "get")}
+
+
+def seed_cp_a(b: Bench, local: Path, count: int) -> None:
+    """`count` files with their own mtimes and two modes, cp -a'd into a mount."""
+    local.mkdir(parents=True)
+    for i in range(count):
+        p = local / f"f{i:05d}.txt"
+        p.write_bytes(b"%099d" % i)
+        if i % 10 == 0:
+            p.chmod(0o600)
+        os.utime(p, (T0 + i, T0 + i))
+    m = b.mount()
+    subprocess.run(["cp", "-a", str(local), str(m.mountpoint / CP_DIR)], check=True, timeout=3600)
+    b.flush(m)
+    b.unmount(m)
+
+
+def cp_a_right(lines: list[bytes], count: int) -> bool:
+    """Whether `ls -l` shows each copied file's mtime and mode as cp -a kept them."""
+    seen = 0
+    for line in lines:
+        mode, _, _, _, _, mtime, name = line.split()
+        i = int(name[1:6])
+        seen += int(mtime) == T0 + i and mode == (b"-rw-------" if i % 10 == 0 else b"-rw-r--r--")
+    return seen == count
 
 
 def seed(b: Bench, local: Path, count: int) -> None:
@@ -71,6 +112,8 @@ def main() -> None:
     with Bench(args, "lsl") as b:
         local = b.work / "local" / DIR
         seed(b, local, args.count)
+        if args.cp_a:
+            seed_cp_a(b, b.work / "local" / CP_DIR, args.cp_a)
         rows: dict[str, list[float]] = {}
         loads = []
         for i in range(args.runs):
@@ -84,13 +127,25 @@ def main() -> None:
                 before = requests(m)
                 rows.setdefault(name, []).append(ls_l(d))
                 after = requests(m)
-                for op in ("list", "head"):
+                for op in ("list", "head", "get"):
                     rows.setdefault(f"{name}/{op}s", []).append(after[op] - before[op])
             b.unmount(m)
+            if args.cp_a:
+                drop_caches()
+                rows.setdefault("cp-a/ext4", []).append(ls_l(b.work / "local" / CP_DIR))
+                m = b.mount()
+                drop_caches()
+                before, lines = requests(m), list[bytes]()
+                rows.setdefault("cp-a/tierfs", []).append(ls_l(m.mountpoint / CP_DIR, lines))
+                after = requests(m)
+                for op in ("list", "head", "get"):
+                    rows.setdefault(f"cp-a/{op}s", []).append(after[op] - before[op])
+                rows.setdefault("cp-a/right", []).append(float(cp_a_right(lines, args.cp_a)))
+                b.unmount(m)
             print(f"run {i}: load {loads[-1]:.2f} " + ", ".join(
                 f"{k}={v[-1]:.3f}" for k, v in rows.items()), flush=True)
         med = {k: statistics.median(v) for k, v in rows.items()}
-        b.result.update(count=args.count, runs_raw=rows, medians=med, load1=loads)
+        b.result.update(count=args.count, cp_a=args.cp_a, runs_raw=rows, medians=med, load1=loads)
         print(f"lsl: ls -l of {args.count} x {BODY} B objects + {len(range(0, args.count, 100))} "
               f"symlinks, median of {args.runs}; 1-min load: {', '.join(f'{x:.2f}' for x in loads)}")
         ext4 = med["ext4"]
@@ -101,6 +156,17 @@ def main() -> None:
             ("tierfs, again", f"{med['tierfs/second']:.3f}s = {med['tierfs/second'] / ext4:.1f}x ext4;"
              f" {med['tierfs/second/lists']:.0f} LISTs, {med['tierfs/second/heads']:.0f} HEADs"),
         ])
+        if args.cp_a:
+            per = 1000 / args.cp_a
+            report([
+                (f"cp -a of {args.cp_a}, ext4", f"{med['cp-a/ext4']:.3f}s"),
+                ("cp -a, tierfs fresh node",
+                 f"{med['cp-a/tierfs']:.3f}s = {med['cp-a/tierfs'] / med['cp-a/ext4']:.1f}x ext4;"
+                 f" {med['cp-a/lists']:.0f} LISTs + {med['cp-a/gets']:.0f} GETs"
+                 f" = {(med['cp-a/lists'] + med['cp-a/gets']) * per:.2f} per 1,000 entries,"
+                 f" {med['cp-a/heads']:.0f} HEADs; mtimes and modes right in"
+                 f" {sum(rows['cp-a/right']):.0f}/{len(rows['cp-a/right'])} runs"),
+            ])
         b.save()
 
 

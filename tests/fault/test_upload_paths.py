@@ -18,8 +18,7 @@ MiB = 1 << 20
 
 
 def keys(s3: SeaweedServer, bucket: str) -> set[str]:
-    out = s3.client().list_objects_v2(Bucket=bucket).get("Contents", [])
-    return {o["Key"] for o in out}
+    return set(s3.keys(bucket))
 
 
 def obj(s3: SeaweedServer, bucket: str, key: str) -> bytes:

@@ -27,8 +27,7 @@ CACHED_NAMES = '[classes.default]\nlist_ttl = "inf"\nattr_ttl = "inf"\n'
 
 
 def keys(s3: SeaweedServer, bucket: str) -> list[str]:
-    out = s3.client().list_objects_v2(Bucket=bucket)
-    return sorted(o["Key"] for o in out.get("Contents", []))
+    return s3.keys(bucket)
 
 
 def flush(m: TierfsMount, timeout: float = 120) -> None:

@@ -24,8 +24,7 @@ LIMIT = 1024
 
 
 def keys(s3: SeaweedServer, bucket: str) -> list[str]:
-    out = s3.client().list_objects_v2(Bucket=bucket).get("Contents", [])
-    return sorted(o["Key"] for o in out)
+    return s3.keys(bucket)
 
 
 def deep_dir(mp: Path, total: int) -> tuple[Path, int]:

@@ -23,8 +23,7 @@ MiB = 1 << 20
 
 
 def keys(s3: SeaweedServer, bucket: str) -> list[str]:
-    out = s3.client().list_objects_v2(Bucket=bucket)
-    return sorted(o["Key"] for o in out.get("Contents", []))
+    return s3.keys(bucket)
 
 
 def obj(s3: SeaweedServer, bucket: str, key: str) -> bytes:

@@ -48,8 +48,7 @@ class Rig:
         return self.writer.mountpoint
 
     def keys(self, prefix: str = "") -> list[str]:
-        out = self.server.client().list_objects_v2(Bucket=self.bucket, Prefix=prefix)
-        return sorted(o["Key"] for o in out.get("Contents", []))
+        return self.server.keys(self.bucket, prefix)
 
     def object_digest(self, key: str) -> str:
         body = self.server.client().get_object(Bucket=self.bucket, Key=key)["Body"]

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# A directory's attribute object (tierfs/namespace/dirattrs.py NAME)
+ATTR_OBJECT = ".tierfs.attrs.json"
 ACCESS_KEY = "tierfsadmin"
 SECRET_KEY = "tierfssecret"
 # A second identity that may read and list but not write: a real AccessDenied on PUT.
@@ -111,6 +113,14 @@ class SeaweedServer:
         """As env(), with credentials that can read and list but not write."""
         return {**self.env(), "AWS_ACCESS_KEY_ID": READONLY_ACCESS_KEY,
                 "AWS_SECRET_ACCESS_KEY": READONLY_SECRET_KEY}
+
+    def keys(self, bucket: str, prefix: str = "") -> list[str]:
+        """The bucket's object keys under `prefix`, sorted, less tierfs's directory
+        attribute objects (tierfs/namespace/dirattrs.py: metadata of the others)."""
+        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                          Prefix=prefix)
+        return sorted(o["Key"] for page in pages for o in page.get("Contents", [])
+                      if o["Key"].rpartition("/")[2] != ATTR_OBJECT)
 
     def client(self):  # -> botocore client; typed loosely to keep boto3 optional here
         import boto3

@@ -290,21 +290,29 @@ def test_a_replaced_object_shows_its_own_attributes(world: World, tmp_path: Path
         c.close()
 
 
-def test_an_object_newer_than_its_directorys_table_is_asked(world: World, tmp_path: Path) -> None:
-    """A crash between an upload and its entry: the object's metadata is the truth."""
-    run(lambda: copy_in(world, TREE_FILES, TREE_DIRS))
-    late = attrs_for(stat.S_IFREG, 0o640, 7, 9)
-    world.store.put_bytes("t/late.dat", b"x" * 5000, metadata=to_metadata(late))
-    other = World(world.root, tmp_path / "other-cache")
+def test_what_a_listing_tells_gets_no_entry(world: World) -> None:
+    """A file written with the writer's defaults and uploaded soon after its last
+    write (a checkpoint shard): no entry, no attribute object in its directory;
+    a chmod gives it one, a chmod back takes it away again."""
+    async def main() -> None:
+        await world.ns.readdir(ROOT_INODE)
+        world.ns.add(ROOT_INODE, "ckpt", is_dir=True, attrs=new_attrs(
+            stat.S_IFDIR, 0o755, DEFAULTS.uid, DEFAULTS.gid, time.time_ns()))
+        plain = new_attrs(stat.S_IFREG, 0o644, DEFAULTS.uid, DEFAULTS.gid, time.time_ns())
+        info = world.store.put_bytes("ckpt/shard-0", b"x", metadata=to_metadata(plain))
+        await world.ns.uploaded(info.key, info)
+        await world.ns.settle("")
+        assert not (world.root / "ckpt/.tierfs.attrs.json").exists()
+        assert not (world.root / ".tierfs.attrs.json").exists()
+        node = await world.path("ckpt/shard-0")
+        for perms, table in ((0o600, True), (0o644, False)):
+            new = plain.with_perms(perms, time.time_ns())
+            got = world.store.replace_metadata(info.key, to_metadata(new), etag=node.etag)
+            world.ns.set_attrs(node, new, etag=got.etag, stored_at=got.mtime)
+            await world.ns.settle("")
+            assert (world.root / "ckpt/.tierfs.attrs.json").exists() == table
 
-    async def look() -> None:
-        node = await other.path("t/late.dat")
-        assert shown(other, node) == (late.mode, 7, 8, late.mtime_ns)
-        assert other.requests["head"] == 1
-
-    run(look)
-    for c in other.caches:
-        c.close()
+    run(main)
 
 
 def test_changes_are_coalesced_into_one_put_per_directory(world: World) -> None:

@@ -8,6 +8,8 @@ paths are re-checked against the store on every lookup.
   attributes.py  POSIX attributes: what is known of each node, and from where
   listings.py    listings: fetched, shared, kept across remounts, degraded mode
   changes.py     what this mount changes (create, remove, rename, uploads)
+  dirattrs.py    a directory's attribute object: what a listing cannot tell
+  attrobjects.py attribute objects read for listings, written for changes
   namespace.py   the face the rest of tierfs calls
 """
 

@@ -104,6 +104,10 @@ class AttrObjects:
         under the old name now would outlive the rename (a phantom directory)."""
         if any(prefix.startswith(old) for old in self._moving):
             return
+        if entry is None and name not in self._pending.get(prefix, ()):
+            held = self._tables.get(prefix)
+            if held is not None and name not in held[1].entries and prefix not in self._writing:
+                return  # it has none: nothing to write
         self._pending.setdefault(prefix, {})[name] = entry
         if prefix not in self._due:
             held = self._tables.get(prefix)

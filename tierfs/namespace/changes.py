@@ -70,11 +70,19 @@ class Changes:
         self.attrs.touch_dir(parent)
         if is_dir:
             self.objects.created(node.key)
-            self.objects.change(parent.key, f"{name}/", dirattrs.dir_entry(attrs))
+            if not dirattrs.implied(attrs, self.attrs.defaults):
+                self.objects.change(parent.key, f"{name}/", dirattrs.dir_entry(attrs))
         elif etag and stored_at is not None:
-            self.objects.change(parent.key, name, dirattrs.file_entry(
-                etag, stored_at, to_metadata(attrs), link))
+            self._entry(parent.key, name, attrs, etag, stored_at, link)
         return node
+
+    def _entry(self, prefix: str, name: str, attrs: Attrs, etag: str, stored: float,
+               link: str | None) -> None:
+        """The entry of an object stored at `stored`: none where a listing tells."""
+        entry = None
+        if not dirattrs.implied(attrs, self.attrs.defaults, stored):
+            entry = dirattrs.file_entry(etag, stored, to_metadata(attrs), link)
+        self.objects.change(prefix, name, entry)
 
     def set_attrs(self, node: Node, attrs: Attrs, *, etag: str | None = None,
                   stored_at: float | None = None) -> None:
@@ -85,11 +93,10 @@ class Changes:
         if parent is None or not self.table.linked(node):
             return
         name = node.path.rpartition("/")[2]
-        if node.is_dir:
+        if node.is_dir:  # set explicitly: kept whatever it is
             self.objects.change(parent.key, f"{name}/", dirattrs.dir_entry(attrs))
         elif stored_at is not None and node.etag:
-            self.objects.change(parent.key, name, dirattrs.file_entry(
-                node.etag, stored_at, to_metadata(attrs), node.link))
+            self._entry(parent.key, name, attrs, node.etag, stored_at, node.link)
 
     def remove(self, parent_inode: int, name: str) -> None:
         parent = self.table.get(parent_inode)
@@ -178,11 +185,9 @@ class Changes:
         if not has_attrs(info.metadata):
             self.objects.change(prefix, name, None)
         elif node is not None and node.attrs is not None:
-            self.objects.change(prefix, name, dirattrs.file_entry(
-                info.etag, info.mtime, to_metadata(node.attrs), node.link))
+            self._entry(prefix, name, node.attrs, info.etag, info.mtime, node.link)
         else:
-            self.objects.change(prefix, name, dirattrs.file_entry(info.etag, info.mtime,
-                                                                  info.metadata))
+            self._entry(prefix, name, self.attrs.from_head(info), info.etag, info.mtime, None)
 
     def _took(self, key: str, info: ObjectInfo) -> None:
         node = self.table.at(key)

@@ -4,9 +4,11 @@ ListObjectsV2 carries no user metadata, so a node that never saw an object
 shows it with the mount's defaults (owner, 0644, the store's Last-Modified)
 until a HEAD or a GET teaches it. After `cp -a`, `rsync -a` or `tar xpf` into
 the mount that is wrong for nearly every entry, and `rsync -a` run again from
-another node copies everything again. So each directory tierfs writes into
-has one more plain object, `<dir>/.tierfs.attrs.json`, listing what a listing
-would get wrong, read with one GET when the directory is listed:
+another node copies everything again. So a directory where tierfs wrote
+something a listing would get wrong (`implied`: another type, mode or owner
+than the writer's defaults, an mtime other than about its upload's time) has
+one more plain object, `<dir>/.tierfs.attrs.json`, with those entries only,
+read with one GET when the directory is listed:
 
     {"tierfs-dir-attrs": 1,
      "entries": {
@@ -22,16 +24,18 @@ entry is taken only for the version it names (same ETag, listed no later
 than STORED_SLACK after `stored`), so an object replaced by another tool, or
 whose metadata another node changed, is asked by HEAD instead. A directory's
 entry (`name/`) holds what its `name/` marker's metadata holds. The object is
-never listed as a file, moves with its directory, and is deleted with it.
+never listed as a file, moves with its directory, and is deleted with it (or
+once its last entry goes).
 """
 
 from __future__ import annotations
 
 import json
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tierfs.posix import NAMES, Attrs, to_metadata
+from tierfs.posix import NAMES, Attrs, Defaults, to_metadata
 from tierfs.store.base import Listing, ObjectInfo
 
 NAME = ".tierfs.attrs.json"
@@ -41,6 +45,9 @@ VERSION = 1
 # of the write, whole seconds; Last-Modified at or before it), and a version
 # written again by another tool, or copied onto itself by a chmod, is later.
 STORED_SLACK = 1.0
+# A file written through the mount and uploaded within this many seconds of its
+# last write needs no entry for its mtime: a listing shows the upload's time.
+IMPLIED_MTIME = 60.0
 ETAG, STORED, LINK = "etag", "stored", "link"
 _FIELDS = frozenset({*NAMES, ETAG, STORED, LINK})
 
@@ -55,6 +62,17 @@ class BadTable(ValueError):
 def key_of(prefix: str) -> str:
     """The attribute object of the directory `prefix` ('' or ending in '/')."""
     return prefix + NAME
+
+
+def implied(attrs: Attrs, defaults: Defaults, stored: float | None = None) -> bool:
+    """Whether a listing shows `attrs` (of an object stored at `stored`; of a
+    directory: None) as they are, to a node with the writer's `defaults`."""
+    mine = attrs.uid == defaults.uid and attrs.gid == defaults.gid
+    if attrs.kind == stat.S_IFDIR:
+        return mine and attrs.mode == stat.S_IFDIR | defaults.dir_mode
+    # (the store's times are whole seconds, and a file system's a coarse clock's)
+    return (mine and attrs.mode == stat.S_IFREG | defaults.file_mode and stored is not None
+            and -STORED_SLACK <= stored - attrs.mtime_ns / 1e9 <= IMPLIED_MTIME)
 
 
 def file_entry(etag: str, stored: float, metadata: Mapping[str, str],

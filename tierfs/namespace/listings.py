@@ -164,8 +164,7 @@ class Listings:
         known = await self.attrs.known([
             *(i.key for i in listing.files if self._unknown(i, table)),
             *(f"{node.key}{d}/" for d in listing.dirs if self._unknown_dir(node, d))])
-        self.install(node, listing, complete, known, taken=taken, table=table,
-                     table_info=table_info)
+        self.install(node, listing, complete, known, taken=taken, table=table)
 
     async def _kept(self, prefix: str, own: ClassSettings) -> tuple[Listing, float] | None:
         """The listing kept for `prefix` if it is younger than the listing TTL of the
@@ -197,15 +196,14 @@ class Listings:
 
     def install(self, node: Node, listing: Listing, complete: bool = True,
                 known: Mapping[str, Known] | None = None, taken: float | None = None,
-                table: dirattrs.Table | None = None,
-                table_info: ObjectInfo | None = None) -> None:
+                table: dirattrs.Table | None = None) -> None:
         """Take a listing. An incomplete one (the index's, the store being away)
         adds to what this mount knew of the directory; if that is nothing at all,
         the directory's entries are unknown: EIO, not an empty directory.
         `taken`: when it was listed (monotonic; a kept listing is older than now):
         it and its entries' attributes expire that long after. `table`: the
-        directory's attribute object (`table_info`: as listed), whose entries of
-        the versions listed are the store's word on them."""
+        directory's attribute object, whose entries of the versions listed are
+        the store's word on them."""
         now = time.monotonic() if taken is None else taken
         children: dict[str, int] = {}
         if not complete and node.children is not None:
@@ -238,8 +236,7 @@ class Listings:
             if name in children:
                 self._log_odd(info.key, "both an object and a prefix; the directory wins")
                 continue
-            child = self._apply(name, info, now, known.get(info.key) if known else None,
-                                table, table_info)
+            child = self._apply(name, info, now, known.get(info.key) if known else None, table)
             children[name] = child.inode
         files, dirs = self.overlay.local_children(node.key)
         for name in dirs:
@@ -259,11 +256,11 @@ class Listings:
         node.children_epoch = self.health.epoch
 
     def _apply(self, name: str, info: ObjectInfo, now: float, known: Known | None,
-               table: dirattrs.Table | None, table_info: ObjectInfo | None) -> Node:
+               table: dirattrs.Table | None) -> Node:
         """A listed file's node, with what its directory's attribute object says of it:
-        its entry, if of this version; else a HEAD is worth it (`ask`) if the entry
-        is stale, or missing while the object is newer than the table (a crash
-        between the two, another tool's write)."""
+        its entry, if of this version; a HEAD is worth it (`ask`) if the entry is
+        another version's (the object was replaced, or its metadata changed). No
+        entry: the listing tells (dirattrs.implied), or tierfs did not write it."""
         child = self.table.node_for(info.key, False)
         entry = table.file(name) if table is not None else None
         if entry is not None and dirattrs.describes(entry, info):
@@ -274,8 +271,7 @@ class Listings:
             child.ask = False
             return child
         child = self.attrs.apply_info(child, info, now, known=known)
-        child.ask = table_info is not None and (
-            entry is not None or info.mtime >= table_info.mtime - dirattrs.STORED_SLACK)
+        child.ask = entry is not None
         return child
 
     async def listed_dir(self, parent: Node, name: str, path: str) -> Node | None:
