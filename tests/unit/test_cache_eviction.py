@@ -4,9 +4,11 @@ through a file bigger than the cache, pinned and pending objects."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import trio
 
 from tierfs.cache import Cache, Entry
 from tierfs.cache.eviction import shed_order
@@ -203,3 +205,31 @@ def test_explicit_evict(tmp_path: Path) -> None:
 def test_shed_order(present: str, keep: tuple[int, int], order: list[int]) -> None:
     states = bytearray(VERIFIED if ch == "1" else ABSENT for ch in present)
     assert list(shed_order(states, *keep)) == order
+
+
+async def test_eviction_runs_beside_the_fills_not_inside_them(tmp_path: Path) -> None:
+    """A fill only counts its bytes: tier 1 is over its capacity right after it, and
+    the Evictor's pass (its own task, a worker thread each pass, as the mount runs
+    it) brings it back within bounds without the filler waiting for it."""
+    c = new_cache(tmp_path / "c", capacity=4 * CS)
+    passes: list[int] = []
+    passed = trio.Event()
+
+    async def disk(fn: Callable[[], None]) -> None:
+        await trio.to_thread.run_sync(fn)
+        passes.append(c.stats().used_bytes)
+        passed.set()
+
+    async with trio.open_nursery() as n:
+        n.start_soon(c.evictor.run, disk)
+        for k in "abc":
+            e = c.open(k, "e", 2 * CS, 0.0)
+            e.serve.store(0, bytes(2 * CS))
+            c.release(e)
+        assert c.stats().used_bytes == 6 * CS  # the stores evicted nothing themselves
+        with trio.fail_after(10):  # hang guard: a pass takes milliseconds
+            await passed.wait()
+        n.cancel_scope.cancel()
+    assert passes and passes[-1] <= 4 * CS
+    assert cached(c, "a") == 0 and cached(c, "c") == 2 * CS  # oldest first
+    c.close()
