@@ -9,11 +9,14 @@ import errno
 import hashlib
 import mmap
 import os
+import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.integration.conftest import MountFactory
+from tests.support.marks import needs_root
 from tests.support.mount import run_tierfs
 from tests.support.seaweed import SeaweedServer
 
@@ -187,3 +190,79 @@ def test_another_node_learns_an_empty_files_times_at_its_first_open(
     assert (reader.mountpoint / "empty").read_bytes() == b""
     st = os.stat(reader.mountpoint / "empty")
     assert (st.st_atime_ns, st.st_mtime_ns) == (1_600_000_000_000_000_001, 1_500_000_000_000_000_001)
+
+
+def _errno(call: Callable[..., object], *args: object) -> int | None:
+    try:
+        call(*args)
+    except OSError as e:
+        return e.errno
+    return None
+
+
+def _create(path: Path, flags: int = 0) -> None:
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY | flags))
+
+
+def make_one_of_each(root: Path) -> dict[str, Path]:
+    """Each kind of node, alone in a directory of its own."""
+    made = {}
+    for kind in ("file", "fifo", "symlink", "chr", "blk", "dir"):
+        (root / f"holds-{kind}").mkdir(parents=True)
+        p = made[kind] = root / f"holds-{kind}" / kind
+        if kind == "file":
+            p.write_bytes(b"f")
+        elif kind == "fifo":
+            os.mkfifo(p)
+        elif kind == "symlink":
+            os.symlink("../holds-file/file", p)
+        elif kind == "dir":
+            p.mkdir()
+        else:
+            os.mknod(p, (stat.S_IFCHR if kind == "chr" else stat.S_IFBLK) | 0o600,
+                     os.makedev(1, 3))
+    return made
+
+
+def errnos_of_existing_names(made: dict[str, Path]) -> dict[str, list[int | None]]:
+    """What pjdfstest asks of an existing name: a path below it, O_CREAT|O_EXCL,
+    symlink and mkdir onto it, rmdir of its directory."""
+    out = {}
+    for kind, p in made.items():
+        below = [] if kind == "dir" else [
+            _errno(_create, p / "x"), _errno(os.mkdir, p / "x"),
+            _errno(os.symlink, "t", p / "x"), _errno(os.mkfifo, p / "x")]
+        out[kind] = [*below, _errno(_create, p, os.O_EXCL), _errno(os.symlink, "t", p),
+                     _errno(os.mkdir, p), _errno(os.rmdir, p.parent)]
+    return out
+
+
+@needs_root  # mknod of devices
+def test_errnos_on_existing_names_of_every_kind_here_and_on_a_new_node(
+    mount_factory: MountFactory, bucket: str, tmp_path: Path
+) -> None:
+    """The errno cases pjdfstest found wrong (issue 36: cascades of a refused
+    mknod b/c): below a non-directory ENOTDIR, O_CREAT|O_EXCL, symlink and mkdir
+    onto an existing name EEXIST, rmdir of a directory holding it ENOTEMPTY; for
+    each kind of node, on the mount that made it and on a new node. A refused
+    link(2) leaves nothing behind: its name is free, on either node."""
+    m = mount_factory(f"s3://{bucket}")
+    made = make_one_of_each(m.mountpoint / "t")
+    with pytest.raises(PermissionError):
+        os.link(made["file"], m.mountpoint / "t/hard")
+    assert _errno(os.lstat, m.mountpoint / "t/hard") == errno.ENOENT
+    assert os.lstat(made["file"]).st_nlink == 1
+    below = [errno.ENOTDIR] * 4
+    want = {kind: [*([] if kind == "dir" else below), errno.EEXIST, errno.EEXIST,
+                   errno.EEXIST, errno.ENOTEMPTY] for kind in made}
+    assert errnos_of_existing_names(made) == want
+    assert m.umount().returncode == 0
+    fresh = mount_factory(f"s3://{bucket}", cache_dir=tmp_path / "new-node")
+    made = {kind: fresh.mountpoint / p.relative_to(m.mountpoint) for kind, p in made.items()}
+    assert {k: stat.S_IFMT(os.lstat(p).st_mode) for k, p in made.items()} == {
+        "file": stat.S_IFREG, "fifo": stat.S_IFIFO, "symlink": stat.S_IFLNK,
+        "chr": stat.S_IFCHR, "blk": stat.S_IFBLK, "dir": stat.S_IFDIR}
+    assert errnos_of_existing_names(made) == want
+    assert _errno(os.lstat, fresh.mountpoint / "t/hard") == errno.ENOENT
+    (fresh.mountpoint / "t/hard").write_bytes(b"a name of its own")
+    assert (fresh.mountpoint / "t/hard").read_bytes() == b"a name of its own"
