@@ -169,6 +169,10 @@ def test_write_through_closes_do_not_delay_uncached_reads(
             assert os.pread(fd, 4096, off) == data[off : off + 4096]
         # answered from the store while every upload was still held, every close waiting
         assert proxy.stats()[("get", "none")] > gets
+        # and no held part was given up and sent again meanwhile: the reads did not
+        # wait out a stall of the uploads (one runtime client for both did: ~90 s)
+        parts = [e.path for e in list(proxy.log) if "partNumber=" in e.path]
+        assert len(parts) == len(set(parts)), parts
         assert all(w.is_alive() for w in writers) and not errors, errors
     finally:
         proxy.clear()  # the held requests are dropped: the uploads retry and land

@@ -577,3 +577,21 @@ def test_unknown_engine_is_a_clear_error(s3_env: dict[str, str]) -> None:
     with pytest.raises(StoreError) as ei:
         open_store("s3://bkt", engine="curl")
     assert ei.value.kind == "invalid" and "expected one of crt, botocore" in str(ei.value)
+
+
+@pytest.mark.parametrize("name, kind, retry", [
+    ("AWS_ERROR_HTTP_CHANNEL_THROUGHPUT_FAILURE", "timeout", True),  # a stalled part
+    ("AWS_ERROR_HTTP_CONNECTION_CLOSED", "io", True),
+    ("AWS_IO_SOCKET_CONNECTION_REFUSED", "unreachable", True),
+    ("AWS_ERROR_S3_FILE_MODIFIED", "io", False),
+])
+def test_runtime_transport_failures_classified(name: str, kind: str, retry: bool) -> None:
+    """The runtime's own error names (a stall below its minimum throughput is one
+    the fault proxy's held parts produce) map onto the kinds retries act on: a
+    stalled upload is retried to the deadline, not an EIO at close."""
+    import awscrt.exceptions
+
+    from tierfs.store.s3errors import classify
+
+    f = classify(awscrt.exceptions.AwsCrtError(0, name, "x"), "b", "http://127.0.0.1:1")
+    assert f is not None and (f.kind, f.retryable) == (kind, retry)

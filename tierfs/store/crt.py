@@ -1,6 +1,6 @@
 """The transfer engine: GETs and file uploads through the AWS Common Runtime.
 
-One `awscrt.s3.S3Client` per mount moves the bytes in the runtime's own
+Two `awscrt.s3.S3Client`s per mount (GETs, uploads) move the bytes in the runtime's own
 threads (named `AwsEventLoop...` in /proc/self/task), none of which holds the
 GIL while it reads sockets, signs, splits or checksums: an upload is read from
 the sealed tier-1 file by the runtime itself (multipart, parts in parallel,
@@ -133,18 +133,26 @@ class CrtEngine:
                 options.override_default_trust_store_from_path(ca_filepath=ca_file)
             tls = io.ClientTlsContext(options).new_connection_options()
             tls.set_server_name(parts.hostname or "")
-        self._client = s3.S3Client(
-            region=region,
-            tls_mode=s3.S3RequestTlsMode.ENABLED if tls else s3.S3RequestTlsMode.DISABLED,
-            tls_connection_options=tls,
-            signing_config=signing,
-            part_size=part_size,
-            multipart_upload_threshold=part_size,
-            memory_limit=max(MIN_MEMORY, memory_limit),
-            max_active_connections_override=max_connections,
-            retry_config=_RETRIES,
-            connect_timeout_ms=max(1, round(connect_timeout * 1000)),
-        )
+        def client() -> s3.S3Client:
+            return s3.S3Client(
+                region=region,
+                tls_mode=s3.S3RequestTlsMode.ENABLED if tls else s3.S3RequestTlsMode.DISABLED,
+                tls_connection_options=tls,
+                signing_config=signing,
+                part_size=part_size,
+                multipart_upload_threshold=part_size,
+                memory_limit=max(MIN_MEMORY, memory_limit),
+                max_active_connections_override=max_connections,
+                retry_config=_RETRIES,
+                connect_timeout_ms=max(1, round(connect_timeout * 1000)),
+            )
+
+        # Two clients, as botocore's path has two pools of workers: a client's
+        # connections are shared by all its requests, so uploads stalled at the
+        # store (parts unanswered) would hold every connection and queue the
+        # reads behind them until the runtime gives up on the stall (~90 s).
+        self._client = client()
+        self._uploads = client()
 
     def _frozen(self) -> auth.AwsCredentials:
         """The client's credentials, asked for by the runtime as it signs (botocore's
@@ -216,7 +224,7 @@ class CrtEngine:
             if progress is not None:
                 progress(n)
 
-        request = self._client.make_request(
+        request = self._uploads.make_request(
             type=s3.S3RequestType.PUT_OBJECT,
             request=self._request("PUT", full, [("Content-Length", str(size)), *headers]),
             send_filepath=path,

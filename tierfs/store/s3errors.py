@@ -181,6 +181,8 @@ def _crt_failure(
         return Failure("io", errno.EIO, "HTTP 500 InternalError", True)
     if name == "AWS_ERROR_S3_REQUEST_TIMEOUT":
         return Failure("timeout", errno.EIO, f"request timeout from {endpoint}", True)
+    if name == "AWS_ERROR_HTTP_CHANNEL_THROUGHPUT_FAILURE":  # a stalled connection, dropped
+        return Failure("timeout", errno.EIO, f"transfer from {endpoint} stalled", True)
     if name == "AWS_ERROR_S3_FILE_MODIFIED":
         return Failure("io", errno.EIO, "local file changed while uploading", False)
     if name in _CRT_UNREACHABLE:
