@@ -9,6 +9,10 @@ Not an xattr of the root (as before): answering any getxattr makes the kernel
 ask `security.capability` on every write(2) to decide whether to drop setuid
 bits, a round trip per write (8 KiB writes: 8 s/GiB instead of 1.5 s). With
 getxattr unimplemented (ENOSYS) the kernel stops asking.
+
+This module is the CLI's side and imports no trio (every `tierfs status`,
+`flush` or `umount` pays for what it imports); the daemon's side is
+controlserver.py.
 """
 
 from __future__ import annotations
@@ -16,27 +20,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
 import os
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import trio
-
-log = logging.getLogger(__name__)
-
-Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 # A streaming handler gets `emit`, which sends one progress line
 # ({"progress": {...}}, no "ok" key) before the final reply.
 Emit = Callable[[dict[str, Any]], Awaitable[None]]
-StreamHandler = Callable[[dict[str, Any], Emit], Awaitable[dict[str, Any]]]
 MAX_REQUEST = 1 << 20
-REPLY_TIMEOUT = 5.0  # seconds a final reply may take to send
-# What a handler raises for a request it cannot do as asked (no such path, a bad
-# argument): answered as an error, logged in one line, no traceback.
-REQUEST_ERRORS: tuple[type[Exception], ...] = (ValueError, LookupError, OSError)
 SUN_PATH_MAX = 100
 
 
@@ -46,10 +39,6 @@ class ControlError(Exception):
 
 class ControlUnreachable(ControlError):
     """Nothing answers on the control socket (daemon gone or socket removed)."""
-
-
-class ClientGone(Exception):
-    """The client of a streaming request went away; the request is abandoned."""
 
 
 def run_dir() -> Path:
@@ -106,105 +95,6 @@ def find_socket(mountpoint: str | Path) -> str:
     if not link.is_symlink():
         raise ControlError(f"{mountpoint}: not a live tierfs mount (no daemon registered in {link.parent})")
     return str(link)
-
-
-class ControlServer:
-    def __init__(
-        self,
-        path: Path,
-        handlers: dict[str, Handler],
-        stream_handlers: dict[str, StreamHandler] | None = None,
-        request_errors: tuple[type[Exception], ...] = (),
-    ) -> None:
-        self.path = path
-        self.handlers = handlers
-        self.stream_handlers = stream_handlers or {}
-        self.request_errors = REQUEST_ERRORS + request_errors
-
-    async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            await sock.bind(str(self.path))
-        finally:
-            os.umask(old)
-        os.chmod(self.path, 0o600)
-        sock.listen(16)
-        listener = trio.SocketListener(sock)
-        task_status.started()
-        try:
-            await trio.serve_listeners(self._client, [listener])
-        finally:
-            with contextlib.suppress(OSError):
-                self.path.unlink()
-
-    async def _client(self, stream: trio.SocketStream) -> None:
-        """One connection; whatever it does, it never ends the server (nor the
-        nursery the daemon shares with it)."""
-        try:
-            await self._serve_client(stream)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            log.info("control client went away: %s", exc)
-        except Exception:
-            log.exception("control request failed unexpectedly")
-
-    async def _serve_client(self, stream: trio.SocketStream) -> None:
-        async with stream:
-            buf = b""
-            while b"\n" not in buf:
-                chunk = await stream.receive_some(65536)
-                if not chunk:
-                    return
-                buf += chunk
-                if len(buf) > MAX_REQUEST:
-                    return
-            handler: Handler
-            try:
-                request = json.loads(buf.split(b"\n", 1)[0])
-                op = request["op"]
-                if op in self.stream_handlers:
-                    streamer = self.stream_handlers[op]
-
-                    async def emit(progress: dict[str, Any]) -> None:
-                        try:
-                            await _send(stream, {"progress": progress})
-                        except (trio.BrokenResourceError, trio.ClosedResourceError):
-                            raise ClientGone() from None
-
-                    def streaming(req: dict[str, Any]) -> Awaitable[dict[str, Any]]:
-                        return streamer(req, emit)
-
-                    handler = streaming
-                else:
-                    handler = self.handlers[op]
-            except (ValueError, KeyError, TypeError):
-                await _send(stream, {"ok": False, "error": "bad request"})
-                return
-            try:
-                reply = await handler(request)
-                reply.setdefault("ok", True)
-            except ClientGone:
-                log.info("control %s: client went away; abandoned", request.get("op"))
-                return
-            except self.request_errors as exc:  # a bad path or argument: the caller's mistake
-                log.info("control %s refused: %s", request.get("op"), exc)
-                reply = {"ok": False, "error": str(exc)}
-            except Exception as exc:
-                log.exception("control %s failed", request.get("op"))
-                reply = {"ok": False, "error": str(exc)}
-            # Shielded: the reply to `unmount` races the shutdown it starts.
-            with (
-                trio.CancelScope(shield=True),
-                trio.move_on_after(REPLY_TIMEOUT),
-                contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
-            ):
-                await _send(stream, reply)
-
-
-async def _send(stream: trio.SocketStream, obj: dict[str, Any]) -> None:
-    await stream.send_all(json.dumps(obj).encode() + b"\n")
 
 
 def request(

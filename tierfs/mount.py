@@ -37,7 +37,8 @@ import trio
 from tierfs.budget import BufferPool, MemoryBudget
 from tierfs.cache import Cache, Entry
 from tierfs.config import QUEUED_WRITES, RELEASE_GRACE, SERVE_BUFFERS_KEPT, MountConfig
-from tierfs.control import ControlError, ControlServer, publish, socket_path
+from tierfs.control import ControlError, publish, socket_path
+from tierfs.controlserver import ControlServer
 from tierfs.events import FileEvent, FileEvents, Landed
 from tierfs.fuse import passthrough
 from tierfs.fuse.fs import TierFS
