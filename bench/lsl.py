@@ -9,6 +9,10 @@ requests (LIST, HEAD, GET) each cost. A listing carries no user metadata:
 tierfs HEADs none of the objects other tools wrote, and learns what it wrote
 itself (the symlinks) from the directory's attribute object (one GET).
 
+Also N images (`*.jpg`, dataset by default: issue 36) written by boto3 under
+img/: per run, `ls -l` of them after a remount on the same cache dir (the
+listing kept within the dataset TTL), against the local ext4 copy.
+
 --cp-a M: also M files of 100 bytes, 0644 and 0600, each with its own
 preserved mtime, copied into the mount with `cp -a` (issue 36), then per run
 `ls -l` of them from a fresh node: its time, its requests per 1,000 entries
@@ -40,6 +44,7 @@ BODY = 64
 
 
 CP_DIR = "cpa"
+IMG_DIR = "img"
 T0 = 1_600_000_000
 
 
@@ -107,11 +112,25 @@ def seed(b: Bench, local: Path, count: int) -> None:
     b.unmount(m)
 
 
+def seed_images(b: Bench, local: Path, count: int) -> None:
+    local.mkdir(parents=True)
+    body = b"\xff\xd8\xff" + bytes(BODY - 3)
+
+    def one(i: int) -> None:
+        (local / f"img-{i:05d}.jpg").write_bytes(body)
+        b.client.put_object(Bucket=BUCKET, Key=f"{IMG_DIR}/img-{i:05d}.jpg", Body=body)
+
+    with ThreadPoolExecutor(16) as ex:
+        list(ex.map(one, range(count)))
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0], 0, 3, extra_args)
     with Bench(args, "lsl") as b:
         local = b.work / "local" / DIR
         seed(b, local, args.count)
+        seed_images(b, b.work / "local" / IMG_DIR, args.count)
+        img_cache = b.work / "img-cache"
         if args.cp_a:
             seed_cp_a(b, b.work / "local" / CP_DIR, args.cp_a)
         rows: dict[str, list[float]] = {}
@@ -130,6 +149,19 @@ def main() -> None:
                 for op in ("list", "head", "get"):
                     rows.setdefault(f"{name}/{op}s", []).append(after[op] - before[op])
             b.unmount(m)
+            m = b.mount(img_cache)  # lists the images: a listing kept for the next mount
+            ls_l(m.mountpoint / IMG_DIR)
+            b.unmount(m, wipe=False)
+            drop_caches()
+            rows.setdefault("jpg/ext4", []).append(ls_l(b.work / "local" / IMG_DIR))
+            m = b.mount(img_cache)
+            drop_caches()
+            before = requests(m)
+            rows.setdefault("jpg/tierfs", []).append(ls_l(m.mountpoint / IMG_DIR))
+            after = requests(m)
+            for op in ("list", "head", "get"):
+                rows.setdefault(f"jpg/{op}s", []).append(after[op] - before[op])
+            b.unmount(m, wipe=False)
             if args.cp_a:
                 drop_caches()
                 rows.setdefault("cp-a/ext4", []).append(ls_l(b.work / "local" / CP_DIR))
@@ -155,6 +187,13 @@ def main() -> None:
              f" {med['tierfs/first/lists']:.0f} LISTs, {med['tierfs/first/heads']:.0f} HEADs"),
             ("tierfs, again", f"{med['tierfs/second']:.3f}s = {med['tierfs/second'] / ext4:.1f}x ext4;"
              f" {med['tierfs/second/lists']:.0f} LISTs, {med['tierfs/second/heads']:.0f} HEADs"),
+        ])
+        report([
+            (f"{args.count} .jpg, ext4", f"{med['jpg/ext4']:.3f}s"),
+            ("tierfs, after a remount",
+             f"{med['jpg/tierfs']:.3f}s = {med['jpg/tierfs'] / med['jpg/ext4']:.1f}x ext4;"
+             f" {med['jpg/lists']:.0f} LISTs, {med['jpg/heads']:.0f} HEADs,"
+             f" {med['jpg/gets']:.0f} GETs"),
         ])
         if args.cp_a:
             per = 1000 / args.cp_a
