@@ -42,7 +42,20 @@ $(PYFUSE3_STAMP): third_party/build.sh third_party/pyfuse3/passthrough.patch
 	sh third_party/build.sh $(VENV) $(PYFUSE3_MODE)
 	touch $@
 
-$(STAMP): pyproject.toml $(PYFUSE3_STAMP)
+# The transfer engine's positioned GET writes (third_party/README.md): awscrt
+# patched so the runtime writes a GET into a tier-1 file itself, built against
+# the system's libcrypto (cached in build/third_party). AWSCRT_PATCH=0: stock awscrt.
+AWSCRT_PATCH  ?= 1
+AWSCRT_MODE   := $(if $(filter 0,$(AWSCRT_PATCH)),stock,patched)
+AWSCRT_STAMP  := $(VENV)/.awscrt-$(AWSCRT_MODE)
+
+$(AWSCRT_STAMP): third_party/awscrt/build.sh third_party/awscrt/recvfile.patch
+	test -x $(PY) || python3 -m venv $(VENV)
+	rm -f $(VENV)/.awscrt-*
+	sh third_party/awscrt/build.sh $(VENV) $(AWSCRT_MODE)
+	touch $@
+
+$(STAMP): pyproject.toml $(PYFUSE3_STAMP) $(AWSCRT_STAMP)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
@@ -101,6 +114,7 @@ install: deps
 	python3 -m venv $(PREFIX)
 	$(PREFIX)/bin/pip install -q --upgrade pip
 	sh third_party/build.sh $(PREFIX) $(PYFUSE3_MODE)
+	sh third_party/awscrt/build.sh $(PREFIX) $(AWSCRT_MODE)
 	$(PREFIX)/bin/pip install -q .
 	install -d -m 0755 $(BINDIR) $(SBINDIR) $(UNITDIR) $(DOCDIR)
 	install -d -m 0700 $(CONFDIR)
