@@ -329,23 +329,32 @@ class S3Store:
             )
         return self._get(key, start, length, etag, lambda _size: buf)
 
+    @property
+    def writes_files(self) -> bool:
+        """Whether get_range_to_file's bytes go into the file without passing through
+        Python (the crt engine on the patched binding, third_party/awscrt)."""
+        return self.engine is not None and self.engine.writes_files
+
     def get_range_to_file(
         self, key: str, start: int, length: int, fd: int, etag: str | None,
-        on_piece: Callable[[int, bytes], None],
+        on_piece: Callable[[int, bytes], None] | None = None,
     ) -> Received:
-        """As get_range_into, but the runtime's body pieces are written into the file
-        `fd` at their object offsets, from the runtime's threads, and each is then
+        """As get_range_into, but into the file `fd` at the object's offsets. Where
+        `writes_files`, the runtime writes them itself (OSError where it could not);
+        else its body pieces are written from the caller's thread and each is then
         shown to `on_piece(object offset, piece)`. The crt engine only."""
         if self.engine is None:
             raise StoreError("get_range_to_file needs the crt engine", errno_=errno.EINVAL,
                              kind="invalid")
-
+        if self.engine.writes_files:
+            return self._get(key, start, length, etag, lambda _size: memoryview(b""), fd=fd)
         return self._get(key, start, length, etag, lambda _size: memoryview(b""),
-                         file_writer(fd, start, on_piece))
+                         file_writer(fd, start, on_piece or (lambda _o, _p: None)))
 
     def _get(
         self, key: str, start: int, length: int, etag: str | None,
         alloc: Callable[[int], memoryview], put: Callable[[int, bytes], None] | None = None,
+        *, fd: int | None = None,
     ) -> Received:
         """Read [start, start+length) clipped at EOF into alloc(clipped length); the
         byte count, the ETag and the first answer's user metadata. Through the runtime (or botocore); a retry resumes after the
@@ -359,7 +368,9 @@ class S3Store:
             return Received(0, etag or "")
         read = RangedGet(key, full, start, length, etag, alloc, put)
         engine = self.engine
-        if engine is not None:
+        if engine is not None and fd is not None:
+            attempt = partial(read.via_crt_file, engine, fd)
+        elif engine is not None:
             attempt = partial(read.via_crt, engine)
         else:
             attempt = partial(read.via_botocore, self._client, self.bucket)

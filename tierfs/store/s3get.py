@@ -4,8 +4,9 @@
 already received (a retry asks only for the rest), the ETag of the first
 answer (later attempts are pinned to it with If-Match, so versions are never
 mixed) and the caller's buffer, sized by the first answer. Each attempt is
-`via_crt` (the AWS Common Runtime: the default engine, crt.py) or
-`via_botocore` (`[store] engine = "botocore"`).
+`via_crt` (the AWS Common Runtime: the default engine, crt.py), `via_crt_file`
+(the runtime writing the body into a file itself) or `via_botocore`
+(`[store] engine = "botocore"`).
 """
 
 from __future__ import annotations
@@ -129,6 +130,26 @@ class RangedGet:
             h = answer.headers
             self._answer(0, h.get("content-range"), h.get("etag"), lambda: _metadata(h))
         return self.done, got
+
+    def via_crt_file(self, engine: CrtEngine, fd: int) -> tuple[int, int]:
+        """One attempt through the runtime writing the body into the file `fd` at the
+        object's offsets itself (CrtEngine.get_to_file): (bytes done, bytes this
+        attempt). Each attempt asks for the whole range: which parts a failed one
+        wrote is not known, so none counts."""
+        self.done = 0
+        answer = Answer()
+        try:
+            engine.get_to_file(self.full, self.start, self.end,
+                               quote_etag(self.pinned) if self.pinned else None, fd, answer)
+        except S3ResponseError as exc:
+            if exc.status_code == 416:  # starts at or past EOF (e.g. a zero-size object)
+                return 0, 0
+            raise
+        h = answer.headers
+        size = self._answer(answer.received, h.get("content-range"), h.get("etag"),
+                            lambda: _metadata(h))
+        self.done = size
+        return size, size
 
     def via_botocore(self, client: BaseClient, bucket: str) -> tuple[int, int]:
         """One attempt through botocore's get_object: (bytes done, bytes this attempt)."""
