@@ -1,22 +1,28 @@
 """The origin through the transfer engine (store/crt.py), straight into tier 1.
 
-Where the fetch has a tier-1 file (`Sink.tier1`), the runtime's body pieces
-(one per part, tens of MiB) are written into it at their object offsets from
-the runtime's own threads, and their per-chunk xxh3-64 checksums taken there
-from the same piece, then committed: no part buffer, no copy into Python
-memory, no worker-thread write. Fetches that go to memory only (pages of a
-small read, a read through memory) take the store's GET into the sink's buffer,
-also through the runtime.
+Where the fetch has a tier-1 file (`Sink.tier1`) and the runtime can write into
+it (`S3Store.writes_files`: the patched binding, third_party/awscrt), the runtime
+GETs the range into the file at its object offsets from its own threads; the
+per-chunk xxh3-64 checksums are then read back by the commit in this worker
+thread (neither the pread nor the hash holds the GIL for the bytes): no body
+byte passes through Python. A full cache disk met by the runtime's writes
+fetches again into the sink's memory, whose landing says NoRoom as any fetch's
+does (the reader then reads through memory). With the stock binding the
+runtime's body pieces are written into the file from this thread and hashed
+from the same piece. Fetches that go to memory only (pages of a small read, a
+read through memory) take the store's GET into the sink's buffer, also
+through the runtime.
 """
 
 from __future__ import annotations
 
+import errno
 import threading
 
 import xxhash
 
 from tierfs.read.sources import Below, Got, Sink, Want
-from tierfs.store.base import StoreError
+from tierfs.store.base import Received, StoreError
 from tierfs.store.s3 import S3Store
 
 
@@ -50,20 +56,32 @@ class EngineSource:
         return await sink.worker(self._get, want, sink)
 
     def _get(self, want: Want, sink: Sink) -> Got:
-        n = len(want)
         fill_cm = sink.tier1(want.start, want.end)
-        if fill_cm is None:
-            got = self.store.get_range_into(want.key, want.start, n, sink.buffer(), want.etag)
-            if got.length != n:
-                raise StoreError(f"short read of {want.key!r}: {got.length} of {n} bytes")
-            sink.land()
-            return Got(got.etag, got.metadata)
-        with fill_cm as fill:
-            sums = _Digests(fill.start, self.chunk_size)
-            length = fill.end - fill.start
-            got = self.store.get_range_to_file(want.key, fill.start, length, fill.fd, want.etag,
-                                               sums.add)
-            if got.length != length:
-                raise StoreError(f"short read of {want.key!r}: {got.length} of {length} bytes")
-            fill.commit(sums.sums)
-        return Got(got.etag, got.metadata, in_tier1=True)
+        if fill_cm is not None:
+            try:
+                with fill_cm as fill:
+                    length = fill.end - fill.start
+                    if self.store.writes_files:
+                        got = self.store.get_range_to_file(want.key, fill.start, length, fill.fd,
+                                                           want.etag)
+                        _check(want, got, length)
+                        fill.commit(None)
+                    else:
+                        sums = _Digests(fill.start, self.chunk_size)
+                        got = self.store.get_range_to_file(want.key, fill.start, length, fill.fd,
+                                                           want.etag, sums.add)
+                        _check(want, got, length)
+                        fill.commit(sums.sums)
+                return Got(got.etag, got.metadata, in_tier1=True)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+        got = self.store.get_range_into(want.key, want.start, len(want), sink.buffer(), want.etag)
+        _check(want, got, len(want))
+        sink.land()
+        return Got(got.etag, got.metadata)
+
+
+def _check(want: Want, got: Received, length: int) -> None:
+    if got.length != length:
+        raise StoreError(f"short read of {want.key!r}: {got.length} of {length} bytes")
