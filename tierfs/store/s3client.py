@@ -3,8 +3,10 @@ makes before it starts (endpoint, bucket and credentials, in a few seconds)."""
 
 from __future__ import annotations
 
+import email.utils
 import os
 from collections.abc import Callable
+from datetime import datetime
 from functools import partial
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -13,6 +15,7 @@ import boto3
 from botocore.client import BaseClient
 from botocore.config import Config
 from botocore.exceptions import ClientError
+from botocore.utils import parse_timestamp
 
 from tierfs.store.base import RequestObserver, StoreError
 from tierfs.store.crt import CrtEngine
@@ -40,6 +43,23 @@ def _cap_read_timeout(read_timeout: float, context: dict[str, Any], **_: Any) ->
         context["read_timeout"] = max(0.05, min(read_timeout, left))
 
 
+def timestamp(value: str) -> datetime:
+    """A response's timestamp (a listing's ISO 8601, a header's RFC 1123) as
+    botocore's default parser reads it, without dateutil: that took 160 us a
+    timestamp, a seventh of the daemon's CPU in a first walk through a directory
+    of 1,000 small objects (py-spy). Anything else goes to botocore's parser."""
+    try:
+        parsed: datetime | None = datetime.fromisoformat(value)
+    except (TypeError, ValueError):
+        try:
+            parsed = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            parsed = None
+    if parsed is None or parsed.tzinfo is None:
+        return parse_timestamp(value)
+    return parsed
+
+
 def botocore_client(
     session: boto3.session.Session, endpoint_url: str | None, *, max_connections: int,
     connect_timeout: float, read_timeout: float,
@@ -65,6 +85,8 @@ def botocore_client(
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
     )
+    session._session.get_component("response_parser_factory").set_parser_defaults(
+        timestamp_parser=timestamp)
     client = session.client("s3", endpoint_url=endpoint_url, config=config)
     client.meta.events.register("before-call.s3", partial(_cap_read_timeout, read_timeout))
     return client
