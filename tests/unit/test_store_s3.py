@@ -595,3 +595,23 @@ def test_runtime_transport_failures_classified(name: str, kind: str, retry: bool
 
     f = classify(awscrt.exceptions.AwsCrtError(0, name, "x"), "b", "http://127.0.0.1:1")
     assert f is not None and (f.kind, f.retryable) == (kind, retry)
+
+
+@pytest.mark.parametrize("value", [
+    "2026-12-07T03:18:55.123Z", "2026-12-07T03:18:55Z", "2026-12-07T03:18:55+02:00",
+    "Mon, 07 Dec 2026 03:18:55 GMT", "1796614294", "2026-12-07T03:18:55",
+])
+def test_timestamps_read_as_botocores_own_parser_reads_them(value: str) -> None:
+    """The listing's and the headers' timestamps without dateutil (s3client.timestamp):
+    the same instants as botocore's default parser, whatever the form."""
+    from botocore.utils import parse_timestamp
+
+    from tierfs.store.s3client import timestamp
+
+    assert timestamp(value).timestamp() == parse_timestamp(value).timestamp()
+
+
+def test_listing_and_head_agree_on_mtime(store: S3Store) -> None:
+    store.put_bytes("d/a", b"x")
+    (listed,) = store.list_dir("d/").files
+    assert listed.mtime == store.head("d/a").mtime > 0
