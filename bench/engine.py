@@ -12,8 +12,11 @@ Stages, each a median of --runs, all in one run against one SeaweedFS:
 For tierfs, the daemon's CPU split by thread (/proc/PID/task/*/comm): "python"
 is every thread but the runtime's `AwsEventLoop...` ones ("runtime"), in
 seconds per GiB (per file for `small`). Machine load is printed beside it.
+--before TREE: the same stages on a mount of another source tree (its
+defaults, no config file: e.g. the commit before the engine), for an A/B.
 
 Usage: python bench/engine.py [--size 1G] [--runs 3] [--files 10000] [--botocore]
+           [--before TREE] [--skip read4,...]
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import os
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 from awscrt import auth, http, s3
@@ -37,6 +42,7 @@ from common import (
     write_random_file,
 )
 
+from tests.support.mount import TierfsMount
 from tierfs.store.crt import thread_cpu
 
 GiB = 1 << 30
@@ -77,6 +83,15 @@ class Bare:
             request=self._req("PUT", key, [("Content-Length", str(path.stat().st_size))]),
         ).finished_future.result()
         return time.perf_counter() - t
+
+
+def mount_tree(b: Bench, tree: Path) -> TierfsMount:
+    """A mount of the tierfs in `tree` (its defaults), in `b`'s bucket."""
+    b._n += 1
+    m = TierfsMount(source=f"s3://{BUCKET}", mountpoint=b.work / f"mnt{b._n}",
+                    cache_dir=b.work / f"cache{b._n}", env={**b.env, "PYTHONPATH": str(tree)})
+    b.mounts.append(m)
+    return m.start()
 
 
 def load() -> str:
@@ -133,11 +148,15 @@ def main() -> None:
         p.add_argument("--botocore", action="store_true",
                        help="also the same mount with [store] engine = \"botocore\"")
         p.add_argument("--skip", default="", help="comma-separated stages to skip")
+        p.add_argument("--before", default=None,
+                       help="another source tree, mounted with its defaults as 'before'")
 
     args = parse_args(__doc__.splitlines()[0], GiB, 3, extra)
     skip = set(filter(None, args.skip.split(",")))
-    engines = ["crt", *(["botocore"] if args.botocore else [])]
+    engines = ["crt", *(["botocore"] if args.botocore else []),
+               *(["before"] if args.before else [])]
     with Bench(args, "engine") as b:
+        os.chdir(b.work)  # `python -m tierfs` of a --before tree imports what PYTHONPATH names
         size = args.size
         gib = size / GiB
         src = b.work / "src.bin"
@@ -147,10 +166,14 @@ def main() -> None:
             b.seed(k, src)
         keys = seed_small(b, args.files) if "small" not in skip else []
         bare = Bare(b)
-        confs = {}
+        mounts: dict[str, Callable[[], TierfsMount]] = {}
         for e in engines:
-            confs[e] = b.work / f"{e}.toml"
-            confs[e].write_text(f'[store]\nengine = "{e}"\n')
+            if e == "before":
+                mounts[e] = partial(mount_tree, b, Path(args.before).resolve())
+                continue
+            conf = b.work / f"{e}.toml"
+            conf.write_text(f'[store]\nengine = "{e}"\n')
+            mounts[e] = partial(b.mount, None, "--config", str(conf))
         t: dict[str, list[float]] = {}
         cpu: dict[str, list[dict[str, float]]] = {}
 
@@ -167,7 +190,7 @@ def main() -> None:
                 drop_caches()
                 rec("bare_get_1", bare.get(big[:1], out))
                 for e in engines:
-                    m = b.mount(None, "--config", str(confs[e]))
+                    m = mounts[e]()
                     drop_caches()
                     c0 = thread_cpu(m.pid)
                     secs = dd_read([m.mountpoint / big[0]])
@@ -176,7 +199,7 @@ def main() -> None:
             if "write1" not in skip:
                 rec("bare_put_1", bare.put(f"bare/put-{run}", src))
                 for e in engines:
-                    m = b.mount(None, "--config", str(confs[e]))
+                    m = mounts[e]()
                     c0 = thread_cpu(m.pid)
                     t0 = time.perf_counter()
                     subprocess.run(["dd", f"if={src}", f"of={m.mountpoint / f'w-{e}-{run}.pt'}",
@@ -192,7 +215,7 @@ def main() -> None:
                 drop_caches()
                 rec("bare_get_4", bare.get(big, out))
                 for e in engines:
-                    m = b.mount(None, "--config", str(confs[e]))
+                    m = mounts[e]()
                     drop_caches()
                     c0 = thread_cpu(m.pid)
                     secs = dd_read([m.mountpoint / k for k in big])
@@ -201,7 +224,7 @@ def main() -> None:
             if "small" not in skip:
                 rec("boto3_small_8", boto3_small(b, keys))
                 for e in engines:
-                    m = b.mount(None, "--config", str(confs[e]))
+                    m = mounts[e]()
                     drop_caches()
                     c0 = thread_cpu(m.pid)
                     secs = mount_small(m.mountpoint, keys)
@@ -217,6 +240,8 @@ def main() -> None:
                                ("read_4", "bare_get_4"), ("small_8", "boto3_small_8")):
                 if f"{e}_{stage}" in med and ref in med:
                     ratios[f"{e}_{stage}_vs_{ref}"] = med[f"{e}_{stage}"] / med[ref]
+                if e != "crt" and f"crt_{stage}" in med and f"{e}_{stage}" in med:
+                    ratios[f"crt_{stage}_vs_{e}"] = med[f"crt_{stage}"] / med[f"{e}_{stage}"]
         b.result.update(seconds=t, seconds_median=med, ratios=ratios, cpu_median=cpu_med,
                         cpu=cpu, files=len(keys), load_end=load())
         print(f"engine bench, {size / MiB:.0f} MiB objects, {len(keys)} small files, "
