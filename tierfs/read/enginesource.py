@@ -1,7 +1,7 @@
 """The origin through the transfer engine (store/crt.py), straight into tier 1.
 
 Where the fetch has a tier-1 file (`Sink.tier1`) and the runtime can write into
-it (`S3Store.writes_files`: the patched binding, third_party/awscrt), the runtime
+it (`CrtEngine.writes_files`: the patched binding, third_party/awscrt), the runtime
 GETs the range into the file at its object offsets from its own threads; the
 per-chunk xxh3-64 checksums are then read back by the commit in this worker
 thread (neither the pread nor the hash holds the GIL for the bytes): no body
@@ -61,7 +61,7 @@ class EngineSource:
             try:
                 with fill_cm as fill:
                     length = fill.end - fill.start
-                    if self.store.writes_files:
+                    if self.store.engine is not None and self.store.engine.writes_files:
                         got = self.store.get_range_to_file(want.key, fill.start, length, fill.fd,
                                                            want.etag)
                         _check(want, got, length)

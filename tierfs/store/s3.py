@@ -329,49 +329,40 @@ class S3Store:
             )
         return self._get(key, start, length, etag, lambda _size: buf)
 
-    @property
-    def writes_files(self) -> bool:
-        """Whether get_range_to_file's bytes go into the file without passing through
-        Python (the crt engine on the patched binding, third_party/awscrt)."""
-        return self.engine is not None and self.engine.writes_files
-
     def get_range_to_file(
         self, key: str, start: int, length: int, fd: int, etag: str | None,
         on_piece: Callable[[int, bytes], None] | None = None,
     ) -> Received:
         """As get_range_into, but into the file `fd` at the object's offsets. Where
-        `writes_files`, the runtime writes them itself (OSError where it could not);
+        `engine.writes_files`, the runtime writes them itself (OSError where it could not);
         else its body pieces are written from the caller's thread and each is then
         shown to `on_piece(object offset, piece)`. The crt engine only."""
         if self.engine is None:
             raise StoreError("get_range_to_file needs the crt engine", errno_=errno.EINVAL,
                              kind="invalid")
-        if self.engine.writes_files:
-            return self._get(key, start, length, etag, lambda _size: memoryview(b""), fd=fd)
-        return self._get(key, start, length, etag, lambda _size: memoryview(b""),
-                         file_writer(fd, start, on_piece or (lambda _o, _p: None)))
+        direct = self.engine.writes_files
+        put = None if direct else file_writer(fd, start, on_piece or (lambda _o, _p: None))
+        return self._get(key, start, length, etag, lambda _size: memoryview(b""), put,
+                         fd=fd if direct else None)
 
     def _get(
         self, key: str, start: int, length: int, etag: str | None,
         alloc: Callable[[int], memoryview], put: Callable[[int, bytes], None] | None = None,
         *, fd: int | None = None,
     ) -> Received:
-        """Read [start, start+length) clipped at EOF into alloc(clipped length); the
-        byte count, the ETag and the first answer's user metadata. Through the runtime (or botocore); a retry resumes after the
-        bytes already received, pinned with If-Match to the first answer's ETag."""
+        """Read [start, start+length) clipped at EOF into alloc(clipped length) (or the
+        runtime into `fd`); the byte count, ETag and first answer's user metadata. A retry
+        resumes after the bytes received, pinned with If-Match to the first answer's ETag."""
         if start < 0 or length < 0:
-            raise StoreError(
-                f"bad range start={start} length={length}", errno_=errno.EINVAL, kind="invalid"
-            )
+            raise StoreError(f"bad range start={start} length={length}", errno_=errno.EINVAL,
+                             kind="invalid")
         full = self._full(key)
         if length == 0:
             return Received(0, etag or "")
         read = RangedGet(key, full, start, length, etag, alloc, put)
-        engine = self.engine
-        if engine is not None and fd is not None:
-            attempt = partial(read.via_crt_file, engine, fd)
-        elif engine is not None:
-            attempt = partial(read.via_crt, engine)
+        if (engine := self.engine) is not None:
+            attempt = partial(read.via_crt_file, engine, fd) if fd is not None else partial(
+                read.via_crt, engine)
         else:
             attempt = partial(read.via_botocore, self._client, self.bucket)
         done: int = self._call("get", key, attempt, precondition_kind="changed")
