@@ -7,6 +7,9 @@ STAMP   := $(VENV)/.installed
 ML_STAMP := $(VENV)/.ml-installed
 DEB     := fuse3 libfuse3-dev pkg-config gcc rsync git
 PYTEST_ARGS ?=
+# Two workers (the suite's mounts and stores wait on each other more than they
+# compute); worksteal: a worker left without tests takes the other's queue.
+PYTEST_PAR ?= -n 2 --dist worksteal
 
 .PHONY: all demo test deps peer-deps setup ml-deps lint bench clean install uninstall
 
@@ -81,8 +84,8 @@ demo: setup
 NO_PASSTHROUGH_TESTS ?= tests/integration/test_read_mount.py tests/integration/test_readpath.py \
 	tests/integration/test_write_mount.py tests/integration/test_passthrough_mount.py
 test: setup ml-deps
-	$(PY) -m pytest -q $(PYTEST_ARGS)
-	TIERFS_TEST_PASSTHROUGH=0 $(PY) -m pytest -q $(NO_PASSTHROUGH_TESTS)
+	$(PY) -m pytest -q $(PYTEST_PAR) $(PYTEST_ARGS)
+	TIERFS_TEST_PASSTHROUGH=0 $(PY) -m pytest -q $(PYTEST_PAR) $(NO_PASSTHROUGH_TESTS)
 
 # Benchmarks (root: they drop the page cache); JSON lands in bench/results/.
 # PEERS=1 also installs rclone and s3fs (Debian packages) and measures them (--peers).

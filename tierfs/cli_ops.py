@@ -240,7 +240,7 @@ def _print_plain(st: dict[str, Any], out: Any, width: int = 80) -> None:
     def emit(text: str, indent: str, more: str) -> None:
         _wrapped(text, indent, more, width, out)
 
-    print(f"tierfs {st['mountpoint']}", file=out)
+    emit(f"tierfs {st['mountpoint']}", "", "    ")  # a long mountpoint too: within width
     for name, text in status_rows(st):
         emit(f"{name}: {text}", "  ", "      ")
     rows = class_rows(st)
