@@ -7,7 +7,9 @@ limited. A model of --size bytes in --shards safetensors shards. Per run:
   alone   one tierfs mount without the shared tier loads the model cold (the reference)
   herd    N mounts (own cache dirs) with --shared-cache load it at the same moment
   fifth   one more mount after the herd: origin bytes (should be 0), and its
-          load against boto3 GETs of the same block objects from the shared tier
+          load against boto3 GETs of the same block objects from the shared tier;
+          and N boto3 processes GETting them all at once: what this machine allows
+          a herd reading from the shared tier (the bound when it is not the link)
   kill    a new herd (new shared prefix); the daemon holding the first claim is
           killed with -9: how much later than the herd the others finish (target
           <= lease + one block's fetch), every byte checked
@@ -212,6 +214,31 @@ def boto_get_all(client: Any, keys: list[tuple[str, int]], threads: int) -> tupl
     return time.perf_counter() - t, total
 
 
+def _boto_node(shared: SeaweedServer, keys: list[tuple[str, int]], threads: int, start: Any,
+               out: Any) -> None:
+    client = shared.client()
+    start.wait()
+    out.put(boto_get_all(client, keys, threads)[0])
+
+
+def boto_herd(shared: SeaweedServer, keys: list[tuple[str, int]], nodes: int,
+              threads: int) -> float:
+    """`nodes` boto3 processes GET every block from the shared tier at once: what
+    this machine allows a herd reading from it (the slowest one's seconds)."""
+    ctx = mp.get_context("fork")
+    start, out = ctx.Event(), ctx.Queue()
+    ps = [ctx.Process(target=_boto_node, args=(shared, keys, threads, start, out))
+          for _ in range(nodes)]
+    for p in ps:
+        p.start()
+    time.sleep(0.5)
+    start.set()
+    walls = [out.get() for _ in ps]
+    for p in ps:
+        p.join()
+    return max(walls)
+
+
 def kill_first_claimer(client: Any, prefix: str, mounts: list[TierfsMount],
                        stop: threading.Event, killed: list[int]) -> None:
     """Watch the shared prefix for a claim; kill -9 the daemon that made it."""
@@ -251,7 +278,8 @@ def main() -> None:
         herd = Herd(b, shared, args, files)
         res: dict[str, list[float]] = {k: [] for k in (
             "alone_s", "herd_slowest_s", "herd_vs_alone", "herd_origin_gib", "herd_tc_origin_gib",
-            "fifth_s", "fifth_origin_bytes", "fifth_boto_s", "fifth_vs_boto",
+            "fifth_s", "fifth_origin_bytes", "fifth_boto_s", "fifth_vs_boto", "herd_boto_s",
+            "herd_vs_bound",
             "kill_survivors_slowest_s", "kill_extra_s", "kill_origin_gib", "corrupt_detected",
             "corrupt_origin_mib", "nocond_slowest_s", "nocond_origin_gib")}
         checks: dict[str, list[bool]] = {"herd": [], "kill": [], "corrupt": [], "nocond": []}
@@ -280,6 +308,9 @@ def main() -> None:
             ("one node alone, cold, no shared tier", f"{med['alone_s']:.1f} s"),
             (f"herd of {args.nodes}: slowest node", f"{med['herd_slowest_s']:.1f} s = "
              f"{med['herd_vs_alone']:.2f}x alone (target <= 1.3x)"),
+            (f"{args.nodes} boto3 processes GET it all from the shared tier at once",
+             f"{med['herd_boto_s']:.1f} s: the herd's slowest is {med['herd_vs_bound']:.2f}x "
+             "max(alone, this)"),
             ("herd: origin bytes (daemons / tc)", f"{med['herd_origin_gib']:.3f} / "
              f"{med['herd_tc_origin_gib']:.3f} GiB (target <= 1.1; without: {args.nodes})"),
             ("fifth node: origin bytes", f"{med['fifth_origin_bytes']:.0f}"),
@@ -340,7 +371,12 @@ def one_run(run: int, b: Bench, herd: Herd, sc: Any, proxy: FaultProxy, tc_sent:
     assert got == size, (got, size)
     res["fifth_boto_s"].append(secs)
     res["fifth_vs_boto"].append(res["fifth_s"][-1] / secs)
-    said(run, res, "fifth_s", "fifth_origin_bytes", "fifth_boto_s", "fifth_vs_boto")
+    drop_caches()
+    res["herd_boto_s"].append(boto_herd(herd.shared, blocks, n, args.boto_threads))
+    res["herd_vs_bound"].append(res["herd_slowest_s"][-1]
+                                / max(res["alone_s"][-1], res["herd_boto_s"][-1]))
+    said(run, res, "fifth_s", "fifth_origin_bytes", "fifth_boto_s", "fifth_vs_boto",
+         "herd_boto_s", "herd_vs_bound")
 
     # a corrupt block: overwritten by boto3, its metadata kept
     key, bsize = blocks[len(blocks) // 2]
