@@ -5,7 +5,10 @@ is limited with tc to --origin-rate (a WAN link), and the shared tier, not
 limited. A model of --size bytes in --shards safetensors shards. Per run:
 
   alone   one tierfs mount without the shared tier loads the model cold (the reference)
-  herd    N mounts (own cache dirs) with --shared-cache load it at the same moment
+  herd    N mounts (own cache dirs) with --shared-cache load it at the same moment;
+          claims won / lost / expired summed over the herd
+  today   N boto3 processes GET the whole model from the shaped origin at once:
+          what N nodes without a shared tier pay (N copies through one link)
   fifth   one more mount after the herd: origin bytes (should be 0), and its
           load against boto3 GETs of the same block objects from the shared tier;
           and N boto3 processes GETting them all at once: what this machine allows
@@ -18,6 +21,9 @@ limited. A model of --size bytes in --shards safetensors shards. Per run:
   nocond  the shared tier behind a proxy that answers conditional PUTs 501 (a
           store without conditional writes): every node fetches for itself
 
+`today` and `nocond` each send N copies through the shaped link (N x the
+alone time): they run in the first --heavy-runs runs only.
+
 "Origin bytes" are the daemons' own GET byte counters, and beside them what tc
 counted leaving the origin's port (headers and listings included). Every load
 is safetensors.numpy.load_file of each shard in turn, page cache dropped first;
@@ -25,7 +31,7 @@ bytes are checked after the timing (sha256 of each shard read back through the
 mount against the local file's). Medians of --runs; the machine load beside them.
 
 Usage: python bench/sharedtier.py [--size 1G] [--shards 4] [--nodes 4] [--runs 3]
-                                   [--origin-rate 400mbit] [--lease 30]
+                                   [--origin-rate 400mbit] [--lease 30] [--heavy-runs 1]
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import Bench, GiB, MiB, drop_caches, median, parse_args, report
+from common import BUCKET, Bench, GiB, MiB, drop_caches, median, parse_args, report
 from safetensors.numpy import load_file, save_file
 
 from tests.fault.proxy import FaultProxy, Rule
@@ -184,6 +190,10 @@ def origin_bytes(mounts: list[TierfsMount]) -> float:
     return sum(m.metric("tierfs_store_bytes_total{op=get}") for m in mounts)
 
 
+def claims(mounts: list[TierfsMount], what: str) -> float:
+    return sum(m.metric(f"tierfs_shared_claims_{what}_total") for m in mounts)
+
+
 def shared_blocks(client: Any, prefix: str) -> list[tuple[str, int]]:
     out = []
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=SHARED_BUCKET,
@@ -193,7 +203,8 @@ def shared_blocks(client: Any, prefix: str) -> list[tuple[str, int]]:
     return out
 
 
-def boto_get_all(client: Any, keys: list[tuple[str, int]], threads: int) -> tuple[float, int]:
+def boto_get_all(client: Any, keys: list[tuple[str, int]], threads: int,
+                 bucket: str = SHARED_BUCKET) -> tuple[float, int]:
     """GET every block object whole into a reused buffer per thread: the shared
     tier's speed for these bytes as a plain client sees it."""
     local = threading.local()
@@ -202,7 +213,7 @@ def boto_get_all(client: Any, keys: list[tuple[str, int]], threads: int) -> tupl
         key, size = item
         if getattr(local, "buf", None) is None or len(local.buf) < size:
             local.buf = memoryview(bytearray(size))
-        body = client.get_object(Bucket=SHARED_BUCKET, Key=key)["Body"]
+        body = client.get_object(Bucket=bucket, Key=key)["Body"]
         got = 0
         while got < size and (n := body.readinto(local.buf[got:size])):
             got += n
@@ -214,20 +225,21 @@ def boto_get_all(client: Any, keys: list[tuple[str, int]], threads: int) -> tupl
     return time.perf_counter() - t, total
 
 
-def _boto_node(shared: SeaweedServer, keys: list[tuple[str, int]], threads: int, start: Any,
-               out: Any) -> None:
-    client = shared.client()
+def _boto_node(server: SeaweedServer, bucket: str, keys: list[tuple[str, int]], threads: int,
+               start: Any, out: Any) -> None:
+    client = server.client()
     start.wait()
-    out.put(boto_get_all(client, keys, threads)[0])
+    out.put(boto_get_all(client, keys, threads, bucket)[0])
 
 
-def boto_herd(shared: SeaweedServer, keys: list[tuple[str, int]], nodes: int,
-              threads: int) -> float:
-    """`nodes` boto3 processes GET every block from the shared tier at once: what
-    this machine allows a herd reading from it (the slowest one's seconds)."""
+def boto_herd(server: SeaweedServer, keys: list[tuple[str, int]], nodes: int,
+              threads: int, bucket: str = SHARED_BUCKET) -> float:
+    """`nodes` boto3 processes GET every key of `bucket` on `server` at once (the
+    slowest one's seconds): from the shared tier, what this machine allows a herd
+    reading from it; from the origin, what N nodes without a shared tier pay."""
     ctx = mp.get_context("fork")
     start, out = ctx.Event(), ctx.Queue()
-    ps = [ctx.Process(target=_boto_node, args=(shared, keys, threads, start, out))
+    ps = [ctx.Process(target=_boto_node, args=(server, bucket, keys, threads, start, out))
           for _ in range(nodes)]
     for p in ps:
         p.start()
@@ -267,6 +279,8 @@ def main() -> None:
         p.add_argument("--origin-rate", default="400mbit")
         p.add_argument("--lease", type=float, default=30.0)
         p.add_argument("--boto-threads", type=int, default=4)
+        p.add_argument("--heavy-runs", type=int, default=1,
+                       help="runs that also measure `today` and `nocond` (N copies each)")
 
     args = parse_args(__doc__.splitlines()[0], GiB, 3, extra)
     shared = SeaweedServer(data_dir=None)
@@ -278,9 +292,12 @@ def main() -> None:
         herd = Herd(b, shared, args, files)
         res: dict[str, list[float]] = {k: [] for k in (
             "alone_s", "herd_slowest_s", "herd_vs_alone", "herd_origin_gib", "herd_tc_origin_gib",
+            "herd_claims_won", "herd_claims_lost", "herd_claims_expired",
+            "today_boto_s", "herd_vs_today", "today_tc_origin_gib",
             "fifth_s", "fifth_origin_bytes", "fifth_boto_s", "fifth_vs_boto", "herd_boto_s",
             "herd_vs_bound",
-            "kill_survivors_slowest_s", "kill_extra_s", "kill_origin_gib", "corrupt_detected",
+            "kill_survivors_slowest_s", "kill_extra_s", "kill_origin_gib", "kill_claims_expired",
+            "corrupt_detected",
             "corrupt_origin_mib", "nocond_slowest_s", "nocond_origin_gib")}
         checks: dict[str, list[bool]] = {"herd": [], "kill": [], "corrupt": [], "nocond": []}
         proxy = FaultProxy(shared.endpoint).start()
@@ -298,6 +315,9 @@ def main() -> None:
         b.result["model_bytes"] = size
         b.result["origin_rate"] = args.origin_rate
         b.result["lease_s"] = args.lease
+        b.result["heavy_runs"] = min(args.heavy_runs, args.runs)
+        b.result["nodes"] = args.nodes
+        b.result["shards"] = args.shards
         b.result["loadavg"] = load
         b.save()
         med = {k: median(v) for k, v in res.items()}
@@ -311,14 +331,20 @@ def main() -> None:
             (f"{args.nodes} boto3 processes GET it all from the shared tier at once",
              f"{med['herd_boto_s']:.1f} s: the herd's slowest is {med['herd_vs_bound']:.2f}x "
              "max(alone, this)"),
+            (f"today: {args.nodes} boto3 processes GET it from the origin at once",
+             f"{med['today_boto_s']:.1f} s, tc {med['today_tc_origin_gib']:.2f} GiB: the herd's "
+             f"slowest is {med['herd_vs_today']:.2f}x this"),
             ("herd: origin bytes (daemons / tc)", f"{med['herd_origin_gib']:.3f} / "
              f"{med['herd_tc_origin_gib']:.3f} GiB (target <= 1.1; without: {args.nodes})"),
+            ("herd: claims won / lost / expired", f"{med['herd_claims_won']:.0f} / "
+             f"{med['herd_claims_lost']:.0f} / {med['herd_claims_expired']:.0f}"),
             ("fifth node: origin bytes", f"{med['fifth_origin_bytes']:.0f}"),
             ("fifth node: load vs boto3 GETs of the blocks",
              f"{med['fifth_s']:.2f} s vs {med['fifth_boto_s']:.2f} s "
              f"({args.boto_threads} threads) = {med['fifth_vs_boto']:.2f}x"),
             ("claimer killed -9: survivors' slowest", f"{med['kill_survivors_slowest_s']:.1f} s, "
              f"{med['kill_extra_s']:.1f} s over the herd (lease {args.lease:g} s); "
+             f"{med['kill_claims_expired']:.0f} claims expired; "
              f"origin {med['kill_origin_gib']:.3f} GiB; bytes verified {all(checks['kill'])}"),
             ("corrupt block", f"detected {med['corrupt_detected']:.0f}x, origin "
              f"{med['corrupt_origin_mib']:.0f} MiB, bytes verified {all(checks['corrupt'])}"),
@@ -354,9 +380,23 @@ def one_run(run: int, b: Bench, herd: Herd, sc: Any, proxy: FaultProxy, tc_sent:
     res["herd_slowest_s"].append(max(walls.values()))
     res["herd_vs_alone"].append(res["herd_slowest_s"][-1] / res["alone_s"][-1])
     res["herd_origin_gib"].append(origin_bytes(ms) / GiB)
+    for what in ("won", "lost", "expired"):
+        res[f"herd_claims_{what}"].append(claims(ms, what))
     checks["herd"].append(not errors and all(herd.verified(m) for m in ms))
     herd.done(ms)
-    said(run, res, "herd_slowest_s", "herd_vs_alone", "herd_origin_gib", "herd_tc_origin_gib")
+    said(run, res, "herd_slowest_s", "herd_vs_alone", "herd_origin_gib", "herd_tc_origin_gib",
+         "herd_claims_won", "herd_claims_lost", "herd_claims_expired")
+
+    heavy = run < args.heavy_runs
+    if heavy:  # today: N plain clients, each its own copy through the link
+        model = [(k, b.client.head_object(Bucket=BUCKET, Key=k)["ContentLength"])
+                 for k in herd.keys]
+        drop_caches()
+        before = tc_sent()
+        res["today_boto_s"].append(boto_herd(b.server, model, n, args.boto_threads, BUCKET))
+        res["today_tc_origin_gib"].append((tc_sent() - before) / GiB)
+        res["herd_vs_today"].append(res["herd_slowest_s"][-1] / res["today_boto_s"][-1])
+        said(run, res, "today_boto_s", "today_tc_origin_gib", "herd_vs_today")
 
     # fifth node, and boto3 GETs of the same bytes from the shared tier
     m5 = herd.mount(prefix)
@@ -395,7 +435,7 @@ def one_run(run: int, b: Bench, herd: Herd, sc: Any, proxy: FaultProxy, tc_sent:
     kprefix = f"kill{run}"
     ms = [herd.mount(kprefix) for _ in range(n)]
     drop_caches()
-    stop, killed = threading.Event(), []
+    stop, killed = threading.Event(), list[int]()
     watcher = threading.Thread(target=kill_first_claimer, args=(sc, kprefix, ms, stop, killed))
     watcher.start()
     walls, errors = load_together([herd.paths(m) for m in ms])
@@ -405,10 +445,15 @@ def one_run(run: int, b: Bench, herd: Herd, sc: Any, proxy: FaultProxy, tc_sent:
     res["kill_survivors_slowest_s"].append(max(walls[i] for i in survivors))
     res["kill_extra_s"].append(res["kill_survivors_slowest_s"][-1] - res["herd_slowest_s"][-1])
     res["kill_origin_gib"].append(origin_bytes([ms[i] for i in survivors]) / GiB)
+    res["kill_claims_expired"].append(claims([ms[i] for i in survivors], "expired"))
     checks["kill"].append(len(killed) == 1 and not set(errors) - set(killed)
                           and all(herd.verified(ms[i]) for i in survivors))
     herd.done(ms)
-    said(run, res, "kill_survivors_slowest_s", "kill_extra_s", "kill_origin_gib")
+    said(run, res, "kill_survivors_slowest_s", "kill_extra_s", "kill_origin_gib",
+         "kill_claims_expired")
+    if not heavy:
+        print(f"run {run}: checks {checks}; load {os.getloadavg()}", flush=True)
+        return
 
     # a shared tier without conditional writes (behind the proxy)
     ms = [herd.mount(f"nocond{run}", proxy.endpoint) for _ in range(n)]
