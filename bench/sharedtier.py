@@ -32,6 +32,7 @@ mount against the local file's). Medians of --runs; the machine load beside them
 
 Usage: python bench/sharedtier.py [--size 1G] [--shards 4] [--nodes 4] [--runs 3]
                                    [--origin-rate 400mbit] [--lease 30] [--heavy-runs 1]
+                                   [--engine crt|botocore]
 """
 
 from __future__ import annotations
@@ -162,11 +163,14 @@ class Herd:
         self.digests = {k: sha256_file(p) for k, p in zip(self.keys, files, strict=True)}
         for k, p in zip(self.keys, files, strict=True):
             b.seed(k, p)
+        store = "" if args.engine is None else f'[store]\nengine = "{args.engine}"\n'
+        self.alone_config = b.work / "alone.toml"
+        self.alone_config.write_text(store)
         self.config = b.work / "shared.toml"
-        self.config.write_text(f'[shared]\nlease = {args.lease}\n')
+        self.config.write_text(f'{store}[shared]\nlease = {args.lease}\n')
 
     def mount(self, prefix: str | None, endpoint: str | None = None) -> TierfsMount:
-        extra = [] if prefix is None else [
+        extra = ["--config", str(self.alone_config)] if prefix is None else [
             "--config", str(self.config), "--shared-cache", f"s3://{SHARED_BUCKET}/{prefix}",
             "--shared-endpoint-url", endpoint or self.shared.endpoint]
         return self.b.mount(None, *extra)
@@ -279,6 +283,8 @@ def main() -> None:
         p.add_argument("--origin-rate", default="400mbit")
         p.add_argument("--lease", type=float, default=30.0)
         p.add_argument("--boto-threads", type=int, default=4)
+        p.add_argument("--engine", choices=("crt", "botocore"), default=None,
+                       help="[store] engine of every mount (default: tierfs's)")
         p.add_argument("--heavy-runs", type=int, default=1,
                        help="runs that also measure `today` and `nocond` (N copies each)")
 
@@ -316,6 +322,7 @@ def main() -> None:
         b.result["origin_rate"] = args.origin_rate
         b.result["lease_s"] = args.lease
         b.result["heavy_runs"] = min(args.heavy_runs, args.runs)
+        b.result["engine"] = args.engine or "default"
         b.result["nodes"] = args.nodes
         b.result["shards"] = args.shards
         b.result["loadavg"] = load
