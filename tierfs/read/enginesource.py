@@ -1,17 +1,18 @@
 """The origin through the transfer engine (store/crt.py), straight into tier 1.
 
-Where the fetch has a tier-1 file (`Sink.tier1`) and the runtime can write into
-it (`CrtEngine.writes_files`: the patched binding, third_party/awscrt), the runtime
-GETs the range into the file at its object offsets from its own threads; the
-per-chunk xxh3-64 checksums are then read back by the commit in this worker
-thread (neither the pread nor the hash holds the GIL for the bytes): no body
-byte passes through Python. A full cache disk met by the runtime's writes
-fetches again into the sink's memory, whose landing says NoRoom as any fetch's
-does (the reader then reads through memory). With the stock binding the
-runtime's body pieces are written into the file from this thread and hashed
-from the same piece. Fetches that go to memory only (pages of a small read, a
-read through memory) take the store's GET into the sink's buffer, also
-through the runtime.
+Only the GETs the runtime makes faster go through it (`crt.runtime_get`: small
+objects and small ranges); a longer range is fetched through botocore into the
+sink's buffer and landed as StoreSource does. Where the fetch has a tier-1 file
+(`Sink.tier1`) and the runtime can write into it (`CrtEngine.writes_files`: the
+patched binding, third_party/awscrt), the runtime GETs the range into the file
+at its object offsets from its own threads; the per-chunk xxh3-64 checksums are
+then read back by the commit in this worker thread (the hash does not hold the
+GIL for the bytes): no body byte passes through Python. A full cache disk met
+by the runtime's writes fetches again into the sink's memory, whose landing
+says NoRoom as any fetch's does (the reader then reads through memory). With
+the stock binding the runtime's body pieces are written into the file from this
+thread and hashed from the same piece. Fetches that go to memory only (pages of
+a small read, a read through memory) take the store's GET into the sink's buffer.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import xxhash
 
 from tierfs.read.sources import Below, Got, Sink, Want
 from tierfs.store.base import Received, StoreError
+from tierfs.store.crt import runtime_get
 from tierfs.store.s3 import S3Store
 
 
@@ -56,7 +58,8 @@ class EngineSource:
         return await sink.worker(self._get, want, sink)
 
     def _get(self, want: Want, sink: Sink) -> Got:
-        fill_cm = sink.tier1(want.start, want.end)
+        # Long ranges go through botocore into the sink's buffer (crt.runtime_get).
+        fill_cm = sink.tier1(want.start, want.end) if runtime_get(len(want)) else None
         if fill_cm is not None:
             try:
                 with fill_cm as fill:

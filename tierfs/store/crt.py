@@ -54,6 +54,14 @@ MIN_MEMORY = 256 * MiB
 # s3_default_buffer_pool.c), else every part is a fresh allocation.
 _POOL_RESERVED = 128 * MiB
 _POOL_PARTS = 16
+# Which GETs the runtime makes (`runtime_get`): those of at most this many bytes
+# (small whole objects, pages of small reads); longer ranges (a big file's
+# tier-1 fills, readahead) go through botocore's pool, which read them faster
+# here even with the runtime writing into tier 1 itself. bench/engine.py --size
+# 1G --runs 3 --files 2000 --botocore, 2026-12-07, load 7-9 (docs/benchmarks.md):
+# a cold 1 GiB read 8.04 s through the runtime, 5.25 s through botocore (a bare
+# runtime GET 8.75 s); 2,000 x 100 KiB, 8 readers: 7.97 s vs 12.84 s.
+RUNTIME_GET_MAX = 4 * MiB
 CHECKSUM = s3.S3ChecksumConfig(
     algorithm=s3.S3ChecksumAlgorithm.CRC32C, location=s3.S3ChecksumLocation.TRAILER
 )
@@ -91,6 +99,11 @@ class Answer:
     def on_headers(self, status_code: int, headers: list[tuple[str, str]], **_: object) -> None:
         self.status = status_code
         self.headers = {k.lower(): v for k, v in headers}
+
+
+def runtime_get(length: int) -> bool:
+    """Whether a GET of `length` bytes goes through the runtime (RUNTIME_GET_MAX)."""
+    return length <= RUNTIME_GET_MAX
 
 
 def pool_part_size(part_size: int, memory_limit: int) -> int:

@@ -53,7 +53,7 @@ from tierfs.store.base import (
     StoreError,
     key_too_long,
 )
-from tierfs.store.crt import MIN_MEMORY, CrtEngine
+from tierfs.store.crt import MIN_MEMORY, CrtEngine, runtime_get
 from tierfs.store.retry import Failure, call_with_retries
 from tierfs.store.s3errors import classify
 from tierfs.store.s3get import (
@@ -360,10 +360,11 @@ class S3Store:
         if length == 0:
             return Received(0, etag or "")
         read = RangedGet(key, full, start, length, etag, alloc, put)
-        if (engine := self.engine) is not None:
+        to_file = fd is not None or put is not None  # get_range_to_file: the runtime's
+        if (engine := self.engine) is not None and (to_file or runtime_get(length)):
             attempt = partial(read.via_crt_file, engine, fd) if fd is not None else partial(
                 read.via_crt, engine)
-        else:
+        else:  # botocore: the fallback engine, and long ranges (crt.RUNTIME_GET_MAX)
             attempt = partial(read.via_botocore, self._client, self.bucket)
         done: int = self._call("get", key, attempt, precondition_kind="changed")
         return Received(done, read.pinned or "", read.metadata)
