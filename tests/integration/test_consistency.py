@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fault.proxy import FaultProxy, Rule
 from tests.integration.conftest import MountFactory
 from tests.support.seaweed import SeaweedServer
 
@@ -126,19 +127,36 @@ def test_manifest_barrier_across_mounts(
     assert run_barrier_workload(a.mountpoint, b.mountpoint) == []
 
 
-@pytest.mark.timeout(900)
 def test_without_the_barrier_readers_see_incomplete_checkpoints(
-    mount_factory: MountFactory, bucket: str, tmp_path: Path
+    mount_factory: MountFactory, bucket: str, s3_server: SeaweedServer, tmp_path: Path
 ) -> None:
     """The control experiment: manifests written back like any checkpoint file, and
     their temporary files uploaded at close (so the rename is a server-side copy,
-    visible at once: the uploader's queue order cannot hide the missing barrier)."""
+    visible at once). The shards' uploads are held unanswered by a fault proxy,
+    so mount B is certain to see a `.metadata` naming shards not in the store:
+    what the barrier of the test above prevents. (A race between uploads and a
+    poller, as before, shows it only when the uploads happen to be slow.)"""
     cfg = tmp_path / "writeback-everything.toml"
-    cfg.write_text(SLOW_UPLOADS + NO_BARRIER)
-    a = mount_factory(f"s3://{bucket}", "--config", str(cfg))
-    b = mount_factory(f"s3://{bucket}")
-    violations = run_barrier_workload(a.mountpoint, b.mountpoint)
-    assert violations, "a write-back .metadata should be seen before its shards land"
+    cfg.write_text(NO_BARRIER)
+    with FaultProxy(s3_server.endpoint) as proxy:
+        proxy.set_rules([Rule("blackhole", ops={"put", "multipart"}, path=r"\.distcp")])
+        a = mount_factory(f"s3://{bucket}", "--endpoint-url", proxy.endpoint,
+                          "--config", str(cfg))
+        b = mount_factory(f"s3://{bucket}")
+        try:
+            write_dcp_checkpoint(a.mountpoint, 0, [os.urandom(MiB) for _ in range(SHARDS)])
+            deadline = time.monotonic() + 120
+            while (raw := try_read(b.mountpoint / "step-0" / ".metadata")) is None:
+                assert time.monotonic() < deadline, "B never saw .metadata"  # hang guard
+                time.sleep(0.05)
+            assert proxy.stats()[("put", "blackhole")] + proxy.stats()[
+                ("multipart", "blackhole")] >= 1  # a shard's upload was being held
+            missing = verify_named_shards(b.mountpoint / "step-0", json.loads(raw))
+            assert missing, "a write-back .metadata should be seen before its shards land"
+        finally:
+            proxy.clear()  # the held shards retry and land before the mounts go
+            a.umount()
+
 
 
 def test_concurrent_manifest_writers_one_wins(
