@@ -98,6 +98,7 @@ class Transfer:
             **upload_metadata(pf.attrs if pf is not None else attrs,
                               pf.mtime_ns if pf is not None else round((mtime or 0.0) * 1e9)),
         }
+        attrs_set = 0 if pf is None else pf.attrs_set  # the attributes `meta` holds
         cond = Condition(if_match, if_none_match)
         if pf is not None:
             pf.sending()  # its key may hold an object from here on (a PUT cut short)
@@ -124,6 +125,22 @@ class Transfer:
                 f"upload of {key!r} did not verify: store has {info.size} bytes, "
                 f"digest {got!r}; expected {size}, {digest!r}")
         self.observe("uploaded", size)
+        return await self._attrs_since(pf, key, info, attrs_set)
+
+    async def _attrs_since(
+        self, pf: PendingFile | None, key: str, info: ObjectInfo, seen: int
+    ) -> ObjectInfo:
+        """chmod, chown and utimens calls made while the upload ran (its metadata
+        was taken at its start; the calls only changed the pending record) reach
+        the store too, before the landing is committed: CopyObject onto the new
+        version with the file's attributes as they are now. Without it such a
+        call was lost: the store, and every other node, kept the old owner."""
+        while pf is not None and pf.attrs_set != seen:
+            seen = pf.attrs_set
+            meta = upload_metadata(pf.attrs, pf.mtime_ns)
+            info = await self.workers.meta(partial(
+                self.store.replace_metadata, key, meta, etag=info.etag,
+                typed=listing_misleads(meta)))
         return info
 
     async def _put_file(
