@@ -212,6 +212,14 @@ class EntryCore:
             raise RuntimeError(f"cache record of open {self.key!r} vanished")
         return rec
 
+    def _persist_state(self, state: int) -> None:
+        """Write this entry's record with `state` (the index's transaction; the
+        bytes it frees or takes counted)."""
+        with self._cache.index.write() as wt:
+            rec = self._record(wt)
+            wt.put(self._kh, rec, replace(rec, state=state))
+        self._cache.account(wt.used_delta)
+
     def _check_usable(self) -> None:
         if self._fd < 0:
             raise ValueError(f"{self.key!r}: cache entry used after its last release")

@@ -241,10 +241,7 @@ class LocalCopy:
                 return False
             if e._bad_chunks(list(range(n))):
                 return False
-            with e._cache.index.write() as wt:
-                rec = e._record(wt)
-                wt.put(e._kh, rec, replace(rec, state=CLEAN))
-            e._cache.account(wt.used_delta)
+            e._persist_state(CLEAN)
             with e._mu:
                 e._state = CLEAN
                 e.map.states[:] = bytes((VERIFIED,)) * n
@@ -282,10 +279,7 @@ class LocalCopy:
                     e._cache.count_corrupt(len(bad))
                     raise ChunkCorrupt(e.key, bad)
                 if not e._detached:
-                    with e._cache.index.write() as wt:
-                        rec = e._record(wt)
-                        wt.put(e._kh, rec, replace(rec, state=DIRTY))
-                    e._cache.account(wt.used_delta)
+                    e._persist_state(DIRTY)
                 with e._mu:
                     e._state = DIRTY
                     self._unhashed = False  # its next seal takes them all
