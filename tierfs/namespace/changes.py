@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+import tierfs.namespace.dirattrs as dirattrs
 from tierfs.health import StoreHealth
 from tierfs.kept_listings import KeptListings
-from tierfs.namespace import dirattrs
 from tierfs.namespace.attributes import Attributes
 from tierfs.namespace.attrobjects import AttrObjects
 from tierfs.namespace.nodes import LocalOverlay, Node, NodeTable, bad_name_errno, join, valid_name

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 import trio
 
+import tierfs.namespace.dirattrs as dirattrs
 from tierfs.cache import Cache
 from tierfs.config import DEGRADED_RETRY, ClassSettings
 from tierfs.health import StoreHealth
 from tierfs.kept_listings import KeptListings, kept_ttl, listing_settings
-from tierfs.namespace import dirattrs
 from tierfs.namespace.attributes import Attributes
 from tierfs.namespace.attrobjects import AttrObjects
 from tierfs.namespace.nodes import LocalOverlay, Node, NodeTable, join, valid_name

@@ -36,6 +36,8 @@ from typing import Any
 import boto3
 from botocore.client import BaseClient
 
+import tierfs.store.s3client as s3client
+import tierfs.store.s3writes as s3writes
 from tierfs.config import (
     CONNECT_TIMEOUT,
     DEADLINE,
@@ -44,7 +46,6 @@ from tierfs.config import (
     PART_SIZE,
     READ_TIMEOUT,
 )
-from tierfs.store import s3client, s3writes
 from tierfs.store.base import (
     Listing,
     ObjectInfo,
