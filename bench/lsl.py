@@ -38,6 +38,7 @@ from pathlib import Path
 from common import BUCKET, Bench, drop_caches, parse_args, report
 
 from tests.support.mount import TierfsMount
+from tests.support.trees import T0, preserved_files
 
 DIR = "ls"
 BODY = 64
@@ -45,7 +46,6 @@ BODY = 64
 
 CP_DIR = "cpa"
 IMG_DIR = "img"
-T0 = 1_600_000_000
 
 
 def extra_args(p: argparse.ArgumentParser) -> None:
@@ -71,13 +71,7 @@ def requests(m: TierfsMount) -> dict[str, float]:
 
 def seed_cp_a(b: Bench, local: Path, count: int) -> None:
     """`count` files with their own mtimes and two modes, cp -a'd into a mount."""
-    local.mkdir(parents=True)
-    for i in range(count):
-        p = local / f"f{i:05d}.txt"
-        p.write_bytes(b"%099d" % i)
-        if i % 10 == 0:
-            p.chmod(0o600)
-        os.utime(p, (T0 + i, T0 + i))
+    preserved_files(local, count)
     m = b.mount()
     subprocess.run(["cp", "-a", str(local), str(m.mountpoint / CP_DIR)], check=True, timeout=3600)
     b.flush(m)

@@ -17,12 +17,12 @@ from tests.integration.conftest import MountFactory
 from tests.support.marks import needs_root
 from tests.support.mount import TierfsMount, run_tierfs
 from tests.support.seaweed import SeaweedServer
+from tests.support.trees import T0, preserved_files
 
 pytestmark = needs_root  # owners other than the caller's
 
 N = 1000  # issue 36 asks 10,000 of bench/lsl.py --cp-a; the counts scale per 1,000
 IMAGES = 300  # the count is not the point: no LIST at all
-T0 = 1_600_000_000
 
 
 def requests(m: TierfsMount) -> dict[str, int]:
@@ -45,13 +45,7 @@ def test_ls_l_of_files_copied_with_cp_a_on_a_new_node(
     mount_factory: MountFactory, bucket: str, tmp_path: Path
 ) -> None:
     src = tmp_path / "big"
-    src.mkdir()
-    for i in range(N):
-        p = src / f"f{i:05d}.txt"
-        p.write_bytes(b"%d\n" % i)
-        if i % 10 == 0:
-            p.chmod(0o600)
-        os.utime(p, (T0 + i, T0 + i))
+    preserved_files(src, N)
     m = mount_factory(f"s3://{bucket}")
     subprocess.run(["cp", "-a", str(src), str(m.mountpoint / "big")], check=True, timeout=600)
     m.umount()
