@@ -229,9 +229,7 @@ class CrtEngine:
         waiting for the GIL stalls every connection of its event loop).
         If-Match `etag` (quoted) where given. Raises what the runtime raised
         (s3errors.classify maps it), or Deadline."""
-        headers = [("Range", f"bytes={start}-{end}")]
-        if etag is not None:
-            headers.append(("If-Match", etag))
+        headers = _range(start, end, etag)
         pieces: queue.SimpleQueue[tuple[int, bytes] | None] = queue.SimpleQueue()
 
         def on_body(chunk: bytes, offset: int, **_: object) -> None:
@@ -274,9 +272,7 @@ class CrtEngine:
         `answer` gets the first response's headers. Raises what the runtime
         raised, OSError for its failures to write the file, or Deadline."""
         assert _RECV_FILE is not None, "get_to_file needs the patched binding (writes_files)"
-        headers = [("Range", f"bytes={start}-{end}")]
-        if etag is not None:
-            headers.append(("If-Match", etag))
+        headers = _range(start, end, etag)
         dup = os.dup(fd)
         try:
             request = self._client.make_request(
@@ -330,6 +326,11 @@ class CrtEngine:
     def _count(self, what: str, n: int) -> None:
         with self._lock:
             self.moved[what] += n
+
+
+def _range(start: int, end: int, etag: str | None) -> list[tuple[str, str]]:
+    """A ranged GET's headers: bytes [start, end], If-Match `etag` (quoted) if given."""
+    return [("Range", f"bytes={start}-{end}"), *([("If-Match", etag)] if etag is not None else [])]
 
 
 def _next(
