@@ -355,7 +355,7 @@ class MountConfig:
 
     # Every byte held in flight (GET buffers, landed parts, FUSE read replies,
     # upload part buffers, queued writes), shared by reads and uploads (budget.py).
-    memory_budget: int = 256 * MiB
+    memory_budget: int = field(default_factory=lambda: default_memory_budget())
 
     # cache
     chunk_size: int = CHUNK_SIZE
@@ -367,7 +367,8 @@ class MountConfig:
     readahead_min: int = 1 * MiB
     # Bytes being fetched at once (GETs in flight x part_size); as many bytes of
     # just-fetched parts are kept in memory for the reads that follow them.
-    max_inflight_bytes: int = 64 * MiB
+    # None: default_inflight(memory_budget).
+    max_inflight_bytes: int | None = None
     kernel_read_ahead_kb: int = 1024  # bdi read_ahead_kb: 1 MiB FUSE reads
     # Model-like files are fetched whole into tier 1 on first open, so mmap
     # page faults (4 KiB, in tensor order) hit local disk, not the store.
@@ -398,6 +399,31 @@ class MountConfig:
 
     def resolved_cache_dir(self) -> Path:
         return self.cache_dir or cache_dir_for(self.source, self.endpoint_url)
+
+    @property
+    def inflight_bytes(self) -> int:
+        """`max_inflight_bytes`, or its default for this budget."""
+        if self.max_inflight_bytes is not None:
+            return self.max_inflight_bytes
+        return default_inflight(self.memory_budget)
+
+
+def default_memory_budget() -> int:
+    """A sixteenth of the machine's memory, within [256 MiB, 2 GiB]. A fixed 256 MiB
+    held about two cold streams: with more, the budget reclaimed just-fetched
+    parts before they were read, and each read loaded them back from tier 1.
+    bench/engine.py --size 1G --runs 3 --files 10000, 2026-12-07, 2-core VM with
+    24 GiB (1.5 GiB budget), load 6-8: 4 readers of 4 cold 1 GiB objects 14.82 s
+    (256 MiB: 21.10 s; 4 bare awscrt GETs: 17.95 s), Python CPU 2.86 s per GiB
+    (5.20); one reader unchanged (2.29-2.52 s vs 2.53-2.74 s, 3 quiet pairs)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(2 * GiB, max(256 * MiB, ram // 16))
+
+
+def default_inflight(budget: int) -> int:
+    """Bytes of GETs in flight (and of just-fetched parts kept) by default: a
+    quarter of the memory budget, within [64 MiB, 512 MiB]."""
+    return min(512 * MiB, max(64 * MiB, budget // 4))
 
 
 # -- metrics address -------------------------------------------------------------

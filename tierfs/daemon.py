@@ -81,7 +81,6 @@ class Daemon:
                 observer=self._observe_store,
                 max_key_bytes=cfg.max_key_bytes,
                 engine=cfg.store_engine,
-                memory_limit=cfg.memory_budget,
             )
         except StoreError as exc:
             raise MountError(str(exc)) from None

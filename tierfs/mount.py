@@ -138,7 +138,7 @@ async def build(p: Prepared, nursery: trio.Nursery, stop: trio.Event) -> Parts:
     recover what a restart left; the kernel's side (notifications, the FUSE
     session, the control socket) is `serve`'s."""
     cfg, store, cache, metrics, health = p.cfg, p.store, p.cache, p.metrics, p.health
-    data_slots = min(cfg.max_parallel_gets, max(1, cfg.max_inflight_bytes // cfg.part_size))
+    data_slots = min(cfg.max_parallel_gets, max(1, cfg.inflight_bytes // cfg.part_size))
     workers = Workers(data=data_slots, upload=cfg.max_parallel_puts,
                       meta=cfg.meta_threads, disk=cfg.disk_threads, small=cfg.max_parallel_gets)
     policy = Policy(cfg.rules, cfg.classes, cfg.default_class)
@@ -148,7 +148,7 @@ async def build(p: Prepared, nursery: trio.Nursery, stop: trio.Event) -> Parts:
     # uploads' part buffers, whose share of the budget is capped: uploads
     # never take the memory reads need.
     parts = BufferPool(budget, cfg.part_size,
-                       keep=data_slots + cfg.max_inflight_bytes // cfg.part_size)
+                       keep=data_slots + cfg.inflight_bytes // cfg.part_size)
     serve_buffers = BufferPool(budget, SERVE_BUFFER, keep=SERVE_BUFFERS_KEPT)
     upload_parts = BufferPool(budget, cfg.part_size, keep=cfg.max_parallel_puts,
                               cap=cfg.max_parallel_puts * cfg.part_size, exact=True)
@@ -176,7 +176,7 @@ async def build(p: Prepared, nursery: trio.Nursery, stop: trio.Event) -> Parts:
     fetcher = Fetcher(
         [*([shared] if shared is not None else []), origin], workers, nursery,
         cache=cache, budget=budget, parts=parts,
-        landed=LandedParts(parts, cfg.max_inflight_bytes), bodies=bodies,
+        landed=LandedParts(parts, cfg.inflight_bytes), bodies=bodies,
         waste=WasteCaps(cache.capacity),
         unit=fetch_unit(cfg.part_size, cache.capacity, cache.chunk_size),
         whole_max=cfg.whole_object_max, learned=ns.learn)

@@ -23,6 +23,8 @@ from tierfs.config import (
     ConfigFileError,
     MiB,
     build_config,
+    default_inflight,
+    default_memory_budget,
     key_line,
     load_config_file,
     parse_listen_addr,
@@ -73,6 +75,20 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     assert cfg.config_file == p
     with pytest.raises(ConfigError, match="missing SOURCE"):
         build_config(None, None, "/mnt/x")
+
+
+def test_memory_defaults_follow_the_machine_and_the_budget(tmp_path: Path) -> None:
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert default_memory_budget() == min(2 << 30, max(256 * MiB, ram // 16))
+    assert [default_inflight(b) for b in (128 * MiB, 1 << 30, 8 << 30)] == [
+        64 * MiB, 256 * MiB, 512 * MiB]
+    cfg = build_config(None, "s3://bkt", "/mnt/a")
+    assert cfg.memory_budget == default_memory_budget()
+    assert cfg.inflight_bytes == default_inflight(cfg.memory_budget)
+    p = write(tmp_path, '[memory]\nbudget = "1G"\n')
+    assert build_config(load_config_file(p), "s3://bkt", "/mnt/a").inflight_bytes == 256 * MiB
+    p = write(tmp_path, '[memory]\nbudget = "1G"\n[read]\nmax_inflight = "96M"\n')
+    assert build_config(load_config_file(p), "s3://bkt", "/mnt/a").inflight_bytes == 96 * MiB
 
 
 def test_new_class_and_replacing_the_default_rules(tmp_path: Path) -> None:

@@ -81,7 +81,7 @@ def open_shared(cfg: MountConfig, observer: RequestObserver, max_connections: in
         cfg.shared_cache, endpoint_url=cfg.shared_endpoint_url, part_size=cfg.shared_block_size,
         max_connections=max_connections, connect_timeout=cfg.connect_timeout,
         read_timeout=cfg.read_timeout, deadline=cfg.deadline, observer=observer, session=session,
-        engine=cfg.store_engine, memory_limit=cfg.memory_budget)
+        engine=cfg.store_engine)
     warnings: list[str] = []
     try:
         store.check()

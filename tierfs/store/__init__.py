@@ -20,7 +20,6 @@ from tierfs.config import (
     READ_TIMEOUT,
 )
 from tierfs.store.base import Listing, ObjectInfo, RequestObserver, Store, StoreError
-from tierfs.store.crt import MIN_MEMORY
 from tierfs.store.local import LocalStore
 from tierfs.store.s3 import S3Store
 
@@ -107,11 +106,10 @@ def open_store(
     observer: RequestObserver | None = None,
     max_key_bytes: int = MAX_KEY_BYTES,
     engine: str = "crt",
-    memory_limit: int = MIN_MEMORY,
     session: boto3.session.Session | None = None,
 ) -> Store:
     """The Store for SOURCE `url`. Makes no request: call `check()` to verify it.
-    `engine`, `memory_limit`, `session`: S3 only (S3Store)."""
+    `engine`, `session`: S3 only (S3Store)."""
     scheme, where, prefix = parse_source(url)
     if scheme == "file":
         return LocalStore(where, observer=observer, max_key_bytes=max_key_bytes)
@@ -127,6 +125,5 @@ def open_store(
         observer=observer,
         max_key_bytes=max_key_bytes,
         engine=engine,
-        memory_limit=memory_limit,
         session=session,
     )

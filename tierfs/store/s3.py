@@ -54,7 +54,7 @@ from tierfs.store.base import (
     StoreError,
     key_too_long,
 )
-from tierfs.store.crt import MIN_MEMORY, CrtEngine, runtime_get
+from tierfs.store.crt import CrtEngine, runtime_get
 from tierfs.store.retry import Failure, call_with_retries
 from tierfs.store.s3errors import classify
 from tierfs.store.s3get import (
@@ -137,11 +137,9 @@ class S3Store:
         observer: RequestObserver | None = None,
         max_key_bytes: int = MAX_KEY_BYTES,
         engine: str = "crt",
-        memory_limit: int = MIN_MEMORY,
         session: boto3.session.Session | None = None,
     ) -> None:
-        """`engine`: "crt" or "botocore" (module docstring). `memory_limit`: what the
-        runtime may hold in part buffers (it takes no less than MIN_MEMORY).
+        """`engine`: "crt" or "botocore" (module docstring).
         `session`: where credentials and region come from (default: the standard
         chain); the shared tier passes one with its own profile or keys."""
         if engine not in ENGINES:
@@ -183,7 +181,7 @@ class S3Store:
             with self._session_lock:
                 self.engine = s3client.crt_engine(
                     self._session, self._client, self.bucket, part_size=self.part_size,
-                    memory_limit=memory_limit, max_connections=self.max_connections,
+                    max_connections=self.max_connections,
                     connect_timeout=min(connect_timeout, self.deadline))
 
     def _make_client(self, connect_timeout: float, read_timeout: float) -> BaseClient:

@@ -129,7 +129,7 @@ def check(
 
 def crt_engine(
     session: boto3.session.Session, client: BaseClient, bucket: str, *, part_size: int,
-    memory_limit: int, max_connections: int, connect_timeout: float,
+    max_connections: int, connect_timeout: float,
 ) -> CrtEngine:
     """The runtime client on `client`'s endpoint and region and `session`'s
     (refreshable) credentials and CA bundle (the caller holds the session's lock)."""
@@ -140,7 +140,6 @@ def crt_engine(
         region=client.meta.region_name,
         credentials=session.get_credentials(),
         part_size=part_size,
-        memory_limit=memory_limit,
         max_connections=max_connections,
         connect_timeout=connect_timeout,
         ca_file=ca_file or os.environ.get("REQUESTS_CA_BUNDLE"),
