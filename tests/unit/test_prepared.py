@@ -130,9 +130,15 @@ async def until(cond: Callable[[], bool]) -> None:
 
 
 def settled(path: ReadPath) -> bool:
-    """Nothing fetched ahead waits to be opened ahead, nothing is being opened."""
-    told = path.walk_ahead.fetched.statistics().current_buffer_used
-    return not told and not path.prepared._queued and not path.prepared._opening
+    """Nothing fetched ahead waits to be opened ahead, nothing is being opened.
+
+    What was fetched waits in the `fetched` channel's buffer or, when
+    PreparedOpens._take_fetched was waiting for it, was handed straight to
+    that task (a memory channel skips its buffer then) and is not yet wanted
+    until the task runs: so the task must be back waiting too."""
+    told = path.walk_ahead.fetched.statistics()
+    taker_idle = not told.current_buffer_used and told.tasks_waiting_receive > 0
+    return taker_idle and not path.prepared._queued and not path.prepared._opening
 
 
 async def test_a_warm_walk_finds_its_entries_opened_and_verified(
