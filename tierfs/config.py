@@ -307,6 +307,24 @@ def cache_dir_for(source: str, endpoint_url: str | None) -> Path:
     return default_cache_root() / digest
 
 
+def default_memory_budget() -> int:
+    """A sixteenth of the machine's memory, within [256 MiB, 2 GiB]. A fixed 256 MiB
+    held about two cold streams: with more, the budget reclaimed just-fetched
+    parts before they were read, and each read loaded them back from tier 1.
+    bench/engine.py --size 1G --runs 3 --files 10000, 2026-12-07, 2-core VM with
+    24 GiB (1.5 GiB budget), load 6-8: 4 readers of 4 cold 1 GiB objects 14.82 s
+    (256 MiB: 21.10 s; 4 bare awscrt GETs: 17.95 s), Python CPU 2.86 s per GiB
+    (5.20); one reader unchanged (2.29-2.52 s vs 2.53-2.74 s, 3 quiet pairs)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(2 * GiB, max(256 * MiB, ram // 16))
+
+
+def default_inflight(budget: int) -> int:
+    """Bytes of GETs in flight (and of just-fetched parts kept) by default: a
+    quarter of the memory budget, within [64 MiB, 512 MiB]."""
+    return min(512 * MiB, max(64 * MiB, budget // 4))
+
+
 @dataclass
 class MountConfig:
     source: str
@@ -355,7 +373,7 @@ class MountConfig:
 
     # Every byte held in flight (GET buffers, landed parts, FUSE read replies,
     # upload part buffers, queued writes), shared by reads and uploads (budget.py).
-    memory_budget: int = field(default_factory=lambda: default_memory_budget())
+    memory_budget: int = field(default_factory=default_memory_budget)
 
     # cache
     chunk_size: int = CHUNK_SIZE
@@ -406,24 +424,6 @@ class MountConfig:
         if self.max_inflight_bytes is not None:
             return self.max_inflight_bytes
         return default_inflight(self.memory_budget)
-
-
-def default_memory_budget() -> int:
-    """A sixteenth of the machine's memory, within [256 MiB, 2 GiB]. A fixed 256 MiB
-    held about two cold streams: with more, the budget reclaimed just-fetched
-    parts before they were read, and each read loaded them back from tier 1.
-    bench/engine.py --size 1G --runs 3 --files 10000, 2026-12-07, 2-core VM with
-    24 GiB (1.5 GiB budget), load 6-8: 4 readers of 4 cold 1 GiB objects 14.82 s
-    (256 MiB: 21.10 s; 4 bare awscrt GETs: 17.95 s), Python CPU 2.86 s per GiB
-    (5.20); one reader unchanged (2.29-2.52 s vs 2.53-2.74 s, 3 quiet pairs)."""
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(2 * GiB, max(256 * MiB, ram // 16))
-
-
-def default_inflight(budget: int) -> int:
-    """Bytes of GETs in flight (and of just-fetched parts kept) by default: a
-    quarter of the memory budget, within [64 MiB, 512 MiB]."""
-    return min(512 * MiB, max(64 * MiB, budget // 4))
 
 
 # -- metrics address -------------------------------------------------------------
