@@ -108,6 +108,9 @@ def status_rows(st: dict[str, Any]) -> list[tuple[str, str]]:
         why = ", ".join(f"{k} {v}" for k, v in sorted(daemon.items()))
         add(("passthrough", f"{'on' if pt['enabled'] else 'off'} ({pt['reason']}); opens: "
              f"{n_pt} passthrough, {sum(daemon.values())} daemon" + (f" ({why})" if why else "")))
+        if "splice" in pt:
+            add(("splice", f"{'on' if pt['splice'] else 'off'}; {pt.get('spliced_reads', 0)} reads "
+                 "answered from tier-1 files by libfuse"))
     lat = st.get("read_latency") or {}
     add(("read latency", f"p50 {_ms(lat.get('p50'))}  p95 {_ms(lat.get('p95'))}  "
          f"p99 {_ms(lat.get('p99'))}  ({lat.get('count', 0)} reads)"))

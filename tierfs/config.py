@@ -388,6 +388,9 @@ class MountConfig:
     # None: default_inflight(memory_budget).
     max_inflight_bytes: int | None = None
     kernel_read_ahead_kb: int = 1024  # bdi read_ahead_kb: 1 MiB FUSE reads
+    # Reads of checked tier-1 bytes answered by libfuse splicing them from the
+    # file (fuse/splice.py): "auto" where a pipe can hold a whole reply.
+    splice: str = "auto"
     # Model-like files are fetched whole into tier 1 on first open, so mmap
     # page faults (4 KiB, in tensor order) hit local disk, not the store.
     prefetch_globs: tuple[str, ...] = ("*.safetensors", "*.pt", "*.pth", "*.bin")
@@ -561,6 +564,16 @@ def _want_engine(v: Any) -> str:
     return v
 
 
+SPLICE_MODES = ("auto", "on", "off")
+
+
+def _want_splice(v: Any) -> str:
+    v = _want_str(v).lower()
+    if v not in SPLICE_MODES:
+        raise ConfigError(f"read splice must be one of {', '.join(SPLICE_MODES)}, got {v!r}")
+    return v
+
+
 def _want_source(v: Any) -> str:
     v = _want_str(v)
     if not re.match(r"^(s3://[^/]{3,}|file:///)", v):
@@ -650,6 +663,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("read", "max_inflight"): ("max_inflight_bytes", _want_pos_size),
     ("memory", "budget"): ("memory_budget", _want_pos_size),
     ("read", "kernel_read_ahead_kb"): ("kernel_read_ahead_kb", _want_pos_int),
+    ("read", "splice"): ("splice", _want_splice),
     ("read", "prefetch_globs"): ("prefetch_globs", _want_globs),
     ("read", "prefetch_min_size"): ("prefetch_min_size", _want_size),
     ("read", "whole_object_max"): ("whole_object_max", _want_size),

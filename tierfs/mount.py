@@ -40,7 +40,7 @@ from tierfs.config import QUEUED_WRITES, RELEASE_GRACE, SERVE_BUFFERS_KEPT, Moun
 from tierfs.control import ControlError, publish, socket_path
 from tierfs.controlserver import ControlServer
 from tierfs.events import FileEvent, FileEvents, Landed
-from tierfs.fuse import passthrough
+from tierfs.fuse import passthrough, splice
 from tierfs.fuse.fs import TierFS
 from tierfs.fuse.kernel import KernelCache, set_kernel_readahead
 from tierfs.fuse.modes import OpenModes
@@ -181,7 +181,8 @@ async def build(p: Prepared, nursery: trio.Nursery, stop: trio.Event) -> Parts:
         unit=fetch_unit(cfg.part_size, cache.capacity, cache.chunk_size),
         whole_max=cfg.whole_object_max, learned=ns.learn)
     reader = Reader(fetcher, workers, nursery, serve=serve_buffers,
-                    readahead_min=cfg.readahead_min, observe_read=metrics.read_served)
+                    readahead_min=cfg.readahead_min, observe_read=metrics.read_served,
+                    lend=splice.decide(cfg.splice))
     queued = QueuedWrites(nursery, _apply_write(workers), QUEUED_WRITES, budget)
     walk_ahead = WalkAhead(fetcher, health, children=ns.children_of,
                            stored=ns.stored_file, whole_max=cfg.whole_object_max,
@@ -238,8 +239,13 @@ async def build(p: Prepared, nursery: trio.Nursery, stop: trio.Event) -> Parts:
         config_file=str(cfg.config_file) if cfg.config_file else None,
         classes=cfg.classes, rules=cfg.rules, default_class=cfg.default_class,
         metrics_url=p.metrics_url)
+    def read_modes() -> dict[str, object]:
+        """How reads are answered: the kernel from tier 1 (passthrough), and libfuse
+        from tier-1 files (splice: reads answered so)."""
+        return {**modes.summary(), "splice": reader.lend, "spliced_reads": reader.lent}
+
     ctl = ControlOps(info, ns, fetcher, cache, policy, metrics, workers, health, pending, budget,
-                     modes.summary, stop,
+                     read_modes, stop,
                      transfers=partial(transfer_status, getattr(store, "engine", None)))
     metrics.add_live(ctl.live_figures)
 

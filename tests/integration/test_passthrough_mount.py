@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import MountFactory
-from tests.support.mount import PASSTHROUGH_OFF, TierfsMount
+from tests.support.marks import needs_root
+from tests.support.mount import PASSTHROUGH_OFF, TierfsMount, drop_page_cache
 from tests.support.seaweed import SeaweedServer
-from tierfs.fuse import passthrough
+from tierfs.fuse import passthrough, splice
 
 MiB = 1 << 20
 MODE = passthrough.probe(Path(tempfile.gettempdir()))
@@ -290,6 +291,32 @@ def test_no_passthrough_serves_every_open_on_the_daemon_path(
     said = [line for line in (m.cache_dir / "tierfs.log").read_text().splitlines()
             if "FUSE passthrough" in line]
     assert len(said) == 1 and f"FUSE passthrough: off ({st['reason']})" in said[0]
+
+
+@needs_root  # drops the page cache
+@pytest.mark.skipif(not splice.FILE_SLICES, reason="stock pyfuse3: no FileSlice (third_party/build.sh)")
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_without_passthrough_checked_bytes_are_answered_from_the_tier1_file(
+    mount_factory: MountFactory, bucket: str, obj: bytes, tmp_path: Path, mode: str
+) -> None:
+    """`[read] splice`: with it on, a read of tier-1 bytes this daemon checked is
+    handed to libfuse as a range of the file (fuse/splice.py); the reader gets
+    the same bytes either way. "on" lends whether or not this machine lets
+    libfuse splice (it copies where it cannot), so both paths run here."""
+    conf = tmp_path / "splice.toml"
+    conf.write_text(f'[read]\nsplice = "{mode}"\n')
+    m = mount_factory(f"s3://{bucket}", "--no-passthrough", "--config", str(conf))
+    path = m.mountpoint / "data/shard.tar"
+    assert read_all(path) == obj  # cold: from the parts as they landed in memory
+    all_released(m)
+    drop_page_cache()  # the next reads reach the daemon
+    assert read_all(path) == obj  # from tier 1, checked when fetched
+    st = m.status()["passthrough"]
+    assert st["splice"] is (mode == "on")
+    if mode == "on":
+        assert st["spliced_reads"] >= len(obj) // MiB  # every big read: at most 1 MiB each
+    else:
+        assert st["spliced_reads"] == 0
 
 
 # -- writes served by the kernel ----------------------------------------------------------

@@ -153,7 +153,7 @@ class Kernel:
         fh = await self.open(path, os.O_RDONLY)
         try:
             out, off = bytearray(), 0
-            while piece := await self._call(self.ops.read, fh, off, 1 << 20):
+            while piece := answer(await self._call(self.ops.read, fh, off, 1 << 20)):
                 out += piece
                 off += len(piece)
             return bytes(out)
@@ -196,3 +196,15 @@ class Kernel:
                 else:
                     out[f"{prefix}{name}"] = node.inode
         return out
+
+
+def answer(reply: bytes | memoryview | pyfuse3.FileSlice) -> bytes | memoryview:
+    """A read handler's reply as the kernel gets it: a FileSlice is read from its
+    file and given back (`done`), as libfuse does."""
+    if not isinstance(reply, pyfuse3.FileSlice):
+        return reply
+    try:
+        return os.pread(reply.fd, reply.length, reply.offset)
+    finally:
+        if reply.done is not None:
+            reply.done()

@@ -249,3 +249,57 @@ def test_a_write_after_an_unhashed_seal_voids_its_pending_checksums(tmp_path: Pa
     assert c.index.unhashed(e._fid) is None
     c.release(e)
     c.close()
+
+
+def test_a_lent_range_is_checked_bytes_kept_whole_until_done(tmp_path: Path) -> None:
+    """Serving.lend (a read reply libfuse splices from the file): only chunks this
+    process checked, of a clean entry; until `done` eviction punches none of
+    them and the fd stays open though the entry lets its own go."""
+    data = os.urandom(4 * CS)
+    c = new_cache(tmp_path / "c", capacity=6 * CS)
+    e = c.open("a", "e", len(data), 0.0)
+    assert e.serve.lend(0, CS) is None  # missing
+    e.serve.store(0, data)
+    assert e.serve.read(0, len(data)) == data  # the page cache holds the file
+    lent = e.serve.lend(CS, 2 * CS)
+    assert lent is not None
+    fd, done = lent
+    c.evict("a")
+    assert e.serve.present(CS, 3 * CS)  # pinned by the loan
+    c.release(e)  # the entry's last reference: its own fd is closed
+    assert os.pread(fd, 2 * CS, CS) == data[CS : 3 * CS]
+    done()
+    try:
+        os.fstat(fd)
+    except OSError:
+        pass
+    else:
+        raise AssertionError("done() must close the lent fd")
+    c.close()
+
+
+def test_only_chunks_checked_by_this_process_are_lent(tmp_path: Path) -> None:
+    data = os.urandom(4 * CS)
+    c = new_cache(tmp_path / "c")
+    e = c.open("a", "e", len(data), 0.0)
+    e.serve.store(0, data)
+    c.release(e)
+    c.close()
+    c = new_cache(tmp_path / "c")  # a restart: chunks on disk are not trusted yet
+    e = c.open("a", "e", len(data), 0.0)
+    assert e.serve.present(0, len(data))
+    assert e.serve.lend(0, CS) is None
+    assert e.serve.read(0, CS) == data[:CS]  # its first read checks it
+    lent = e.serve.lend(0, CS)
+    assert lent is not None and e.serve.lend(0, 2 * CS) is None
+    lent[1]()
+    fd = os.open(e.path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache
+    os.close(fd)
+    assert e.serve.lend(0, CS) is None  # a splice would wait for the device
+    assert e.serve.read(0, CS) == data[:CS]
+    e.local.write(0, b"local")
+    assert e.serve.lend(0, CS) is None  # dirty: its bytes are the writer's
+    c.release(e)
+    c.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -10,6 +11,17 @@ from collections.abc import Iterable, Iterator
 import xxhash
 
 MAP_WINDOW = 64 << 20  # file_digests maps this much of a file at a time
+CACHESTAT = 451  # cachestat(2), Linux >= 6.5 (the same number on every architecture)
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Stat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in
+                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
 
 
 def pread_full(fd: int, length: int, offset: int) -> bytes:
@@ -76,3 +88,14 @@ def tree_digest(sums: bytes) -> str:
     """The whole-object digest stored with an upload: xxh3-128 over its chunks'
     xxh3-64 checksums in order (`LocalCopy.chunk_sums`)."""
     return xxhash.xxh3_128_hexdigest(sums)
+
+
+def resident(fd: int, offset: int, length: int) -> bool:
+    """Whether every page of [offset, offset+length) of the file is in the page
+    cache (cachestat(2): asks, reads nothing); False where the kernel cannot
+    say. A read of them then waits for no device."""
+    first, last = offset // mmap.PAGESIZE, (offset + length - 1) // mmap.PAGESIZE
+    rng, st = _Range(first * mmap.PAGESIZE, (last - first + 1) * mmap.PAGESIZE), _Stat()
+    if _libc.syscall(CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
+        return False
+    return bool(st.nr_cache >= last - first + 1)

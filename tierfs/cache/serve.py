@@ -23,7 +23,7 @@ import xxhash
 from tierfs.cache.chunkmap import CHECKSUMMED, PAGE, ChunkCorrupt
 from tierfs.cache.core import EntryCore
 from tierfs.cache.directio import ALIGN, pwrite_all, pwrite_direct, reopen_direct
-from tierfs.cache.fileio import chunk_digests, file_digests, pread_full, preadv_full
+from tierfs.cache.fileio import chunk_digests, file_digests, pread_full, preadv_full, resident
 from tierfs.cache.index import ABSENT, CLEAN, STORED, VERIFIED
 
 
@@ -256,6 +256,47 @@ class Serving:
             got = preadv_full(self._e._fd, buf[:n], offset)
             check(buf[:got])
             return got
+
+    def lend(self, offset: int, length: int) -> tuple[int, Callable[[], None]] | None:
+        """[offset, offset+length) of a clean entry for someone else to read from the
+        tier-1 file itself (libfuse splicing a read reply from its page cache, on
+        the trio thread): a duplicate of the file's fd and the call that ends the
+        loan. None where a chunk is missing or not yet checked by this process
+        (its first read verifies it: `read_aligned`), or a page is not in the
+        page cache (reading it would wait for the device on the trio thread;
+        `read_aligned` reads it in a worker). Until that call the chunks stay
+        pinned (no eviction punches them) and the duplicate keeps the file open
+        whatever the entry does meanwhile. Ending the loan drops the range from
+        the page cache, as `read_aligned` does: the FUSE inode holds its own copy."""
+        e, cs = self._e, self._e.chunk_size
+        end = offset + length
+        if offset < 0 or length <= 0 or end > e.size:
+            return None
+        lo, hi = offset // cs, (end - 1) // cs
+        with e._mu:
+            if e._state != CLEAN or e._fd < 0 or any(s != VERIFIED for s in e.map.states[lo : hi + 1]):
+                return None
+            # Under the lock: once unlocked, the entry may close its fd (and the
+            # number be reused); the duplicate outlives that. Not disk I/O.
+            dup = os.dup(e._fd)
+            e.map.pin(lo, hi)
+
+        def done() -> None:
+            try:
+                os.posix_fadvise(dup, offset, length, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(dup)
+                with e._mu:
+                    e.map.unpin(lo, hi)
+
+        # (Pages that leave the cache between this check and the splice are read
+        # from the device on the trio thread: rare, as they were just there.)
+        if resident(dup, offset, length):
+            return dup, done
+        os.close(dup)
+        with e._mu:
+            e.map.unpin(lo, hi)
+        return None
 
     def will_need(self) -> None:
         """Have the device start reading the whole file (readahead), not waiting: a

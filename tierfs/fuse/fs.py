@@ -29,6 +29,7 @@ from tierfs.fuse.tree import AttrChange, TreeChanges
 from tierfs.metrics import Metrics
 from tierfs.namespace import Namespace, Node
 from tierfs.read.handles import ReadHandle, ReadPath
+from tierfs.read.served import FileRange
 from tierfs.store.base import StoreError
 from tierfs.workers import Workers
 from tierfs.writeback.core import WriteBack
@@ -91,6 +92,7 @@ class TierFS(pyfuse3.Operations):
         self.cache_root = cache_root
         self.modes = modes
         self.enable_passthrough, self.enable_writeback_cache = modes.mode.enabled, not modes.mode.enabled
+        self.enable_splice_write = reads.reader.lend  # FileSlice replies (fuse/splice.py)
         self._handles: dict[int, ReadHandle | WriteSession] = {}
         self._dirs: dict[int, list[tuple[str, Node]]] = {}
         self._fhs = itertools.count(1)
@@ -233,8 +235,11 @@ class TierFS(pyfuse3.Operations):
         return self._info(h, await self.modes.created(node.inode, h)), self.attrs(node)
 
     @fuse_errors  # pyfuse3 replies with any buffer (a view of a pooled one), not only bytes
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
-        return await self._handles[fh].read(off, size)
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview | pyfuse3.FileSlice:  # type: ignore[override]
+        data = await self._handles[fh].read(off, size)
+        if isinstance(data, FileRange):  # lent only where libfuse takes them (fuse/splice.py)
+            return pyfuse3.FileSlice(data.fd, data.offset, data.length, data.done)
+        return data
 
     @fuse_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:

@@ -29,6 +29,7 @@ from tierfs.read.prepared import PreparedOpens
 from tierfs.read.reader import Reader
 from tierfs.read.releases import Releases
 from tierfs.read.sequential import ReadState
+from tierfs.read.served import Served
 from tierfs.read.walkahead import WalkAhead
 from tierfs.read.warm import WarmLoads
 from tierfs.store.base import ObjectInfo, StoreError
@@ -112,7 +113,7 @@ class ReadPath:
 
     async def read(
         self, entry: Entry, state: ReadState, off: int, size: int, settings: ClassSettings
-    ) -> bytes | memoryview:
+    ) -> Served:
         await self.queued.drain_entry(entry)
         started = time.perf_counter()
         if self.health.degraded and entry.state == "clean" and entry.serve.missing_pages(off, off + size):
@@ -160,7 +161,7 @@ class ReadHandle:
     def keep_cache(self) -> bool:
         return self.settings.keep_cache
 
-    async def read(self, off: int, size: int) -> bytes | memoryview:
+    async def read(self, off: int, size: int) -> Served:
         return await self._path.read(self.entry, self.state, off, size, self.settings)
 
     async def flush(self) -> None:

@@ -122,6 +122,19 @@ class LandedParts:
         finally:
             self.unpin(part)
 
+    def view(self, part: _Part, start: int, end: int) -> memoryview:
+        """[start, end) of a pinned part, not copied; unpins it. The view stays
+        valid (a buffer is freed only once nothing refers to it), and unchanged
+        until the trio thread takes a buffer again: a part buffer given back to
+        the pool is only refilled after a `BufferPool.take`, and those happen on
+        the trio thread only. So the caller must hand the view on before that
+        thread runs anything else (Reader.read)."""
+        try:
+            a = start - part.start
+            return part.buf[a : a + end - start]
+        finally:
+            self.unpin(part)
+
     def unpin(self, part: _Part) -> None:
         with self._mu:
             part.pins -= 1

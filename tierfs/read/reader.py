@@ -1,10 +1,13 @@
 """Serving reads (DESIGN §3): tier 1 first, memory where the bytes just were,
 the fetcher (fetcher.py) for what is missing, with readahead.
 
-A read of bytes that just landed from the store (or were staged ahead of a
-sequential reader of tier 1: `_stage`) is a memcpy from the part buffer they
-are in (landed.py); any other read comes out of tier 1 (buffered: the device
-keeps reads in flight ahead of a sequential reader). A small object (up to
+A big read (more than a few pages) is answered without Python copying its
+bytes: a view of the part buffer they landed in from the store (or were
+staged into ahead of a sequential reader of tier 1: `_stage`; landed.py), or
+else a `FileRange` of the tier-1 file, which libfuse reads itself (spliced
+from its page cache) once every chunk of it was checked by this process; a
+chunk not checked yet is read into a buffer and verified first (its first
+read). A small object (up to
 `whole_max`: an image, a clip, a JSON file) is fetched whole into tier 1 by
 any read of it and served from memory (bodies.py) when its bytes are there.
 
@@ -35,9 +38,11 @@ from tierfs.cache.directio import ALIGN
 from tierfs.read.bodies import Body
 from tierfs.read.fetcher import Fetcher, NoRoom
 from tierfs.read.sequential import SMALL_READ, Fronts, ReadState
+from tierfs.read.served import FileRange, Served
 from tierfs.workers import Workers
 
 log = logging.getLogger(__name__)
+
 
 SIZE_LOG_AFTER = 1024  # log the FUSE read size histogram once, after this many reads
 SERVE_BUFFER = (1 << 20) + 2 * ALIGN  # a 1 MiB FUSE read at any offset, aligned for O_DIRECT
@@ -57,8 +62,11 @@ class Reader:
         serve: BufferPool,
         readahead_min: int,
         observe_read: Callable[[str, int], None],
+        lend: bool = False,
     ) -> None:
         self.fetcher = fetcher
+        self.lend = lend  # checked tier-1 bytes answered as FileRanges (fuse/splice.py)
+        self.lent = 0  # reads answered from a tier-1 file (status: reads_lent)
         self.workers = workers
         self.nursery = nursery
         self.readahead_min = readahead_min
@@ -78,14 +86,14 @@ class Reader:
 
     async def read(
         self, entry: Entry, state: ReadState, off: int, size: int, readahead_max: int
-    ) -> bytes | memoryview:
+    ) -> Served:
         """The bytes of [off, off+size) clipped at EOF, fetched into tier 1 first.
 
         A big read returns a view of a pooled buffer that is back in the pool when
-        this returns: the caller must hand it to the kernel before the trio loop
-        runs anything else (pyfuse3 replies right after `read` returns, with no
-        await in between). Buffers are only taken on the trio thread, so no
-        worker can be filling it meanwhile."""
+        this returns, or a FileRange: the caller must hand it to the kernel before
+        the trio loop runs anything else (pyfuse3 replies right after `read`
+        returns, with no await in between). Buffers are only taken on the trio
+        thread, so no worker can be filling it meanwhile."""
         self._count_request(size)
         end = min(off + size, entry.size)
         if off >= end:
@@ -119,7 +127,7 @@ class Reader:
                 fetched = True
                 data = await self._through(entry, off, end, window)
         self.waste.served(entry, off, end)
-        self.observe_read("store" if fetched else "cache", len(data))
+        self.observe_read("store" if fetched else "cache", end - off)
         return data
 
     def _body(self, entry: Entry) -> Body | None:
@@ -135,7 +143,7 @@ class Reader:
 
     async def _read_cached(
         self, entry: Entry, off: int, end: int, window: int, small: bool, whole: bool
-    ) -> tuple[bytes | memoryview, bool]:
+    ) -> tuple[Served, bool]:
         """[off, end) through tier 1 (its chunks are held by the caller); the bytes,
         and whether any had to be fetched."""
         if whole:
@@ -153,6 +161,9 @@ class Reader:
         if window:
             self.fetcher.prefetch(entry, end, min(end + window, entry.size))
         for _ in range(3):
+            lent = None if small else self._lend(entry, off, end, window)
+            if lent is not None:
+                return lent, fetched
             # The reply buffer is held only while serving, never while fetching:
             # a fetch waiting for memory must not wait on buffers of reads that
             # wait for fetches.
@@ -212,11 +223,29 @@ class Reader:
             pos = stop
         return True
 
+    def _lend(self, entry: Entry, off: int, end: int, window: int) -> memoryview | FileRange | None:
+        """A big read answered without copying: from the landed part holding it (a
+        view, see LandedParts.view), or from the tier-1 file if every chunk of it
+        was checked (None: it must be read and verified first)."""
+        part = self._landed.pin(entry, off, end)
+        if part is not None:
+            staged = part.staged  # read before view unpins it
+            view = self._landed.view(part, off, end)
+            if window and staged:
+                self._stage(entry, end, min(end + window, entry.size))
+            return view
+        lent = entry.serve.lend(off, end - off) if self.lend else None
+        if lent is None:
+            return None
+        self.lent += 1
+        return FileRange(lent[0], off, end - off, lent[1])
+
     async def _serve(
         self, entry: Entry, off: int, end: int, buf: memoryview | None, *, window: int, fetched: bool
     ) -> bytes | memoryview:
         """One attempt at answering [off, end): a small read from tier 1's pages, a
-        big one (into `buf`) from landed memory or else from tier 1."""
+        big one (into `buf`) from tier 1, verifying what this process has not
+        checked yet."""
         if buf is None:
             if not fetched and entry.serve.servable_now(off, end):
                 # A few KiB from tier 1 with nothing to verify: cheaper on the loop
@@ -225,15 +254,8 @@ class Reader:
                 # verification: a 1 MiB hash and an index read) goes to a worker.
                 return entry.serve.read_pages(off, end - off)
             return await self.workers.disk(entry.serve.read_pages, off, end - off)
-        part = self._landed.pin(entry, off, end)
-        if part is not None:
-            stage = part.staged  # read before copy_out unpins it
-            # Fetched or staged moments ago: one memcpy (under the GIL either way, so inline).
-            data: bytes | memoryview = self._landed.copy_out(part, off, end, buf)
-        else:
-            data = await self.workers.disk(entry.serve.read_aligned, off, end - off, buf)
-            stage = not fetched
-        if window and stage:
+        data = await self.workers.disk(entry.serve.read_aligned, off, end - off, buf)
+        if window and not fetched:
             # A sequential reader of tier 1 (not of bytes that just landed from the
             # store, nor of ones it waited for) gets what follows loaded ahead, and
             # keeps getting it while it reads the staged parts.

@@ -28,6 +28,7 @@ from tierfs.config import ClassSettings
 from tierfs.posix import Attrs
 from tierfs.queued_writes import QueuedWrites, WriteQueue
 from tierfs.read.sequential import ReadState
+from tierfs.read.served import Served
 from tierfs.store.base import StoreError
 from tierfs.writeback.lifecycle import Lifecycle
 from tierfs.writeback.pending import FileState, PendingFile
@@ -36,7 +37,7 @@ from tierfs.writeback.transfer import NotVerified
 
 log = logging.getLogger(__name__)
 
-Read = Callable[[Entry, ReadState, int, int, ClassSettings], Awaitable[bytes | memoryview]]
+Read = Callable[[Entry, ReadState, int, int, ClassSettings], Awaitable[Served]]
 
 
 class WriteSession:
@@ -196,7 +197,7 @@ class WriteSession:
 
     # -- the daemon path --------------------------------------------------------------------
 
-    async def read(self, off: int, size: int) -> bytes | memoryview:
+    async def read(self, off: int, size: int) -> Served:
         return await self._read(self.entry, self.state, off, size, self.settings)
 
     async def write(self, off: int, buf: bytes) -> int:
