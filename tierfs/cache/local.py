@@ -29,7 +29,7 @@ import xxhash
 from tierfs.cache.chunkmap import PAGE, ChunkCorrupt
 from tierfs.cache.core import EntryCore
 from tierfs.cache.directio import pwrite_all
-from tierfs.cache.fileio import pread_full, runs
+from tierfs.cache.fileio import pread_full, preadv_full, runs
 from tierfs.cache.index import ABSENT, CLEAN, DIRTY, PROBATION, SEALED, STORED, VERIFIED, WRITTEN
 from tierfs.cache.serve import Serving
 from tierfs.cache.space import start_writeback
@@ -381,7 +381,11 @@ class LocalCopy:
                 while at >= 0 and len(todo) < limit:
                     todo.append((at, m.chunk_len(at)))
                     at = m.states.find(WRITTEN, at + 1)
-            digests = [(i, xxhash.xxh3_64_digest(pread_full(fd, n, i * e.chunk_size))) for i, n in todo]
+            # Into one buffer: a new bytes object per chunk made every page of it
+            # fault in (a 1 GiB seal: 1.0 CPU-s of kernel time in this thread).
+            buf = memoryview(bytearray(e.chunk_size))
+            digests = [(i, xxhash.xxh3_64_digest(buf[: preadv_full(fd, buf[:n], i * e.chunk_size)]))
+                       for i, n in todo]
             with e._io:
                 with e._mu:
                     if self._seals != seals or not self._unhashed:
