@@ -242,7 +242,7 @@ class Reader:
 
     async def _serve(
         self, entry: Entry, off: int, end: int, buf: memoryview | None, *, window: int, fetched: bool
-    ) -> bytes | memoryview:
+    ) -> Served:
         """One attempt at answering [off, end): a small read from tier 1's pages, a
         big one (into `buf`) from tier 1, verifying what this process has not
         checked yet."""
@@ -254,6 +254,11 @@ class Reader:
                 # verification: a 1 MiB hash and an index read) goes to a worker.
                 return entry.serve.read_pages(off, end - off)
             return await self.workers.disk(entry.serve.read_pages, off, end - off)
+        # Waiting for `buf` let other tasks run: the bytes may have landed meanwhile
+        # (with several cold streams, memory is short and that wait is common).
+        lent = self._lend(entry, off, end, window)
+        if lent is not None:
+            return lent
         data = await self.workers.disk(entry.serve.read_aligned, off, end - off, buf)
         if window and not fetched:
             # A sequential reader of tier 1 (not of bytes that just landed from the
