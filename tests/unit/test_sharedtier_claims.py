@@ -36,18 +36,27 @@ async def inline(fn: Callable[..., Any], *args: Any) -> Any:
 
 class Origin:
     """The origin as the shared tier sees it: fills a view with the object's bytes
-    after FETCH virtual seconds; counts calls; can be told to fail or hang."""
+    after FETCH virtual seconds; counts calls, the most in flight at once and the
+    blocks asked for in order; can be told to fail or hang."""
 
     def __init__(self, data: bytes = DATA) -> None:
         self.data = data
         self.calls = 0
+        self.inflight = self.most = 0
+        self.asked: list[int] = []  # block indexes, in the order fetches started
         self.fail: Exception | None = None
         self.hang = False
 
     def at(self, start: int) -> Callable[[memoryview], Any]:
         async def fill(view: memoryview) -> int:
             self.calls += 1
-            await trio.sleep(FETCH)
+            self.asked.append(start // BLOCK)
+            self.inflight += 1
+            self.most = max(self.most, self.inflight)
+            try:
+                await trio.sleep(FETCH)
+            finally:
+                self.inflight -= 1
             if self.hang:
                 await trio.sleep_forever()
             if self.fail is not None:
@@ -70,10 +79,10 @@ def ref(index: int = 0, etag: str = "etag-1", size: int = len(DATA)) -> BlockRef
 
 
 def node(store: LocalStore, name: str, *, conditional: bool = True, secret: bytes | None = None,
-         wall: Callable[[], float] | None = None) -> BlockFlight:
+         wall: Callable[[], float] | None = None, slots: int = 2) -> BlockFlight:
     return BlockFlight(store, Blocks(secret), lease=LEASE, conditional=conditional,
                        meta=inline, data=inline, upload=inline, counts=Counts(), node=name,
-                       **({"wall": wall} if wall else {}))
+                       origin_slots=slots, **({"wall": wall} if wall else {}))
 
 
 async def fill(n: BlockFlight, r: BlockRef, origin: Origin) -> tuple[Outcome, bytes, float]:
@@ -140,6 +149,87 @@ async def test_a_herd_costs_the_origin_one_fetch_per_block(
     assert sum(n.counts.claims_expired for n in nodes) == 0
     # Waiters take the block at most POLL_MAX after it landed.
     assert max(t for _, _, t in results) <= FETCH + POLL_MAX
+
+
+async def fill_all(nodes: list[BlockFlight], origin: Origin) -> dict[str, list[Outcome]]:
+    """Every node fills every block of DATA at once, each starting its fills in
+    block order (a prefetch window): each node's outcomes by block."""
+    refs = [ref(i) for i in range(-(-len(DATA) // BLOCK))]
+    out: dict[str, list[Outcome]] = {n.node: [Outcome.OWN] * len(refs) for n in nodes}
+
+    async def one(n: BlockFlight, r: BlockRef) -> None:
+        outcome, got, _ = await fill(n, r, origin)
+        assert got == want(r)
+        out[n.node][r.index] = outcome
+
+    async with trio.open_nursery() as nursery:
+        for n in nodes:
+            for r in refs:
+                nursery.start_soon(one, n, r)
+                await trio.testing.wait_all_tasks_blocked()  # started in order
+    return out
+
+
+async def test_a_node_fetches_a_few_blocks_at_once_in_the_order_they_were_asked_for(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """A whole window of blocks asked for at once: the origin carries `slots` of
+    them at a time, oldest first, so that they land in order rather than all at
+    the window's end."""
+    mock_clock.autojump_threshold = 0
+    origin = Origin()
+    a = node(store, "a", slots=2)
+    out = await fill_all([a], origin)
+    assert out["a"] == [Outcome.FILLED] * 4
+    assert (origin.asked, origin.most) == ([0, 1, 2, 3], 2)
+    assert a.counts.claims_won == 4
+
+
+async def test_a_herd_spreads_the_claims_and_keeps_its_slots_on_the_link(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """Two nodes, one slot each, ask for the same four blocks at once: each claims
+    the oldest block nobody holds, so the origin carries two different blocks at
+    once, in order, each fetched once, and each node takes the other's."""
+    mock_clock.autojump_threshold = 0
+    origin = Origin()
+    a, b = node(store, "a", slots=1), node(store, "b", slots=1)
+    out = await fill_all([a, b], origin)
+    assert (origin.asked, origin.most) == ([0, 1, 2, 3], 2)
+    assert (a.counts.claims_won, b.counts.claims_won) == (2, 2)
+    assert sorted(out["a"] + out["b"], key=lambda o: o.value) == (
+        [Outcome.FILLED] * 4 + [Outcome.HIT] * 4)
+    # About two fetches' time for four blocks over two slots, not four.
+    assert trio.current_time() <= 2 * FETCH + 2 * POLL_MAX
+
+
+async def test_a_fill_waiting_for_a_slot_takes_the_block_another_node_put(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """A node whose only slot is busy does not claim, but keeps looking: the block
+    another node fetched meanwhile is taken from the shared tier."""
+    mock_clock.autojump_threshold = 0
+    slow, origin = Origin(), Origin()
+    slow.hang = True
+    a, b = node(store, "a", slots=1), node(store, "b", slots=1)
+    results: list[tuple[Outcome, bytes, float]] = []
+
+    async def a_blocked_then_block_1() -> None:
+        results.append(await fill(a, ref(1), origin))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(fill, a, ref(0), slow)  # holds a's slot for good
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(a_blocked_then_block_1)
+        await trio.testing.wait_all_tasks_blocked()
+        assert await fill(b, ref(1), origin) == (Outcome.FILLED, want(ref(1)), FETCH)
+        while not results:
+            await trio.sleep(POLL_MAX)
+        nursery.cancel_scope.cancel()
+    [(outcome, got, took)] = results
+    assert (outcome, got, origin.calls) == (Outcome.HIT, want(ref(1)), 1)
+    assert took <= FETCH + POLL_MAX
+    assert a.counts.claims_won == 1  # block 0 only
 
 
 async def test_a_killed_claimer_is_taken_over_once_the_lease_runs_out(

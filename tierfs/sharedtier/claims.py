@@ -3,9 +3,11 @@
 A node missing a block asks the shared tier; if the block is not there (or does
 not verify) it tries to claim it: a conditional create (`If-None-Match: *`) of a
 small claim object beside the block. The one node that creates it fetches the
-block from the origin, puts it, and deletes the claim. Every other node looks
-for the block with bounded backoff (50 ms doubling to 250 ms), at the claim
-about once a second, and:
+block from the origin, puts it, and deletes the claim. A node claims only while
+one of its few origin slots is free (slots.py), oldest fill first: a herd keeps
+a few blocks on the origin link at a time, and they land in the order they are
+read. Every other node looks for the block with bounded backoff (50 ms doubling
+to 250 ms), at the claim about once a second, and:
 
 - takes the block as soon as it appears and verifies;
 - claims it itself if the claim disappears without a block (the claimer's
@@ -45,6 +47,7 @@ from typing import Any
 import trio
 
 from tierfs.sharedtier.blocks import SUM_META, BlockRef, Blocks
+from tierfs.sharedtier.slots import OriginSlots, Slot
 from tierfs.store.base import ObjectInfo, Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,9 @@ Origin = Callable[[memoryview], Awaitable[int]]
 POLL_FIRST = 0.05  # seconds before a waiter's first look for the block
 POLL_MAX = 0.25  # its longest pause: a block is taken at most this late
 POLL_GROWTH = 2.0
+# Blocks one node fetches from the origin at once through the shared tier
+# (slots.py: why few): a herd of N keeps N x this many on the origin link.
+ORIGIN_SLOTS = 2
 CLAIM_EVERY = 1.0  # seconds between looks at the claim waited on (released? taken over?)
 # Wall-clock slack before a claim's Last-Modified alone (not this node's own
 # wait) counts as expired: clocks of nodes and store may differ this much.
@@ -120,6 +126,7 @@ class BlockFlight:
         now: Callable[[], float] = trio.current_time,
         wall: Callable[[], float] = time.time,
         node: str | None = None,
+        origin_slots: int = ORIGIN_SLOTS,
     ) -> None:
         self.store = store
         self.blocks = blocks
@@ -129,25 +136,35 @@ class BlockFlight:
         self.counts = counts if counts is not None else Counts()
         self._now, self._wall = now, wall
         self.node = node or node_id()
+        self.slots = OriginSlots(origin_slots)
 
     async def fill(self, ref: BlockRef, buf: memoryview, origin: Origin) -> Outcome:
         """Fill `buf` (ref.length bytes) with block `ref`: from the shared tier if a
         verified copy is (or becomes) there, else from the origin. Raises what
         `origin` raises, or SharedError where the shared tier failed before the
         origin was asked (the caller then asks the origin itself)."""
+        ticket = self.slots.ticket()
+        try:
+            return await self._fill(ref, buf, origin, ticket)
+        finally:
+            self.slots.leave(ticket)
+
+    async def _fill(self, ref: BlockRef, buf: memoryview, origin: Origin, ticket: int) -> Outcome:
         name, claim = self.blocks.name(ref), self.blocks.claim_name(ref)
         bad: tuple[str, str | None] | None = None  # a block object that did not verify
         waited_on: str | None = None  # ETag of the claim this node waits on
         seen: ObjectInfo | None = None  # that claim, as last looked at
         waiting_since = looked = 0.0
         pause = POLL_FIRST
+        missed = False
         while True:
             info = await self._head(name)
             if info is not None and _version(info) != bad:
                 if await self._take(ref, name, info, buf):
                     return Outcome.HIT
                 bad = _version(info)
-            if waited_on is None:
+            if not missed:
+                missed = True
                 self.counts.misses += 1
             if not self.conditional:
                 return await self._fetch(ref, name, buf, origin, claim=None)
@@ -156,13 +173,16 @@ class BlockFlight:
                 # The claim is looked at now and then, not at every look for the block.
                 seen = None if waited_on is None else await self._head(claim)
                 if seen is None:
-                    held = await self._create_claim(claim)
-                    if held is not None:
-                        if await self._landed_meanwhile(ref, name, buf, bad):
-                            await self._release(claim, held)
-                            return Outcome.HIT
-                        return await self._fetch(ref, name, buf, origin, claim=held)
-                    seen = await self._head(claim)
+                    slot = await self._slot(ticket, pause)
+                    if slot is None:
+                        pause = min(pause * POLL_GROWTH, POLL_MAX)
+                        continue
+                    try:
+                        done, seen = await self._claim(ref, name, claim, buf, origin, bad, slot)
+                    finally:
+                        slot.give()
+                    if done is not None:
+                        return done
                     if seen is None:  # released in between: look for the block again
                         continue
                 now = looked = self._now()
@@ -172,20 +192,60 @@ class BlockFlight:
                     waited_on, waiting_since = seen.etag, now
                 stale = self._wall() - seen.mtime > self.lease + CLOCK_SKEW
                 if stale or now - waiting_since >= self.lease:
-                    self.counts.claims_expired += 1
-                    held = await self._take_over(claim, seen.etag)
-                    if held is _REFUSED:  # no If-Match here: each waiter fetches for itself
-                        return await self._fetch(ref, name, buf, origin, claim=None)
-                    if held is not None:
-                        log.info("shared block %s: a claim made at %s UTC outlived its lease; "
-                                 "taken over", name,
-                                 time.strftime("%H:%M:%S", time.gmtime(seen.mtime)))
-                        return await self._fetch(ref, name, buf, origin, claim=held)
+                    slot = await self._slot(ticket, pause)
+                    if slot is None:
+                        pause = min(pause * POLL_GROWTH, POLL_MAX)
+                        continue
+                    try:
+                        done = await self._expired(ref, name, claim, seen, buf, origin, slot)
+                    finally:
+                        slot.give()
+                    if done is not None:
+                        return done
                     seen = None  # another waiter took it over: wait for that one
                     continue
             self.counts.polls += 1
             await trio.sleep(min(pause, waiting_since + self.lease - now))
             pause = min(pause * POLL_GROWTH, POLL_MAX)
+
+    async def _slot(self, ticket: int, pause: float) -> Slot | None:
+        """One of this node's origin slots for fill `ticket`; else None, once the
+        line has moved or `pause` seconds have passed (the block may have landed)."""
+        slot = self.slots.try_take(ticket)
+        if slot is None:
+            await self.slots.changed(pause)
+        return slot
+
+    async def _claim(
+        self, ref: BlockRef, name: str, claim: str, buf: memoryview, origin: Origin,
+        bad: tuple[str, str | None] | None, slot: Slot,
+    ) -> tuple[Outcome | None, ObjectInfo | None]:
+        """With `slot` taken: claim the block and fill it (its Outcome), or, where
+        another node holds the claim, that claim as it is now (None: released in
+        between)."""
+        held = await self._create_claim(claim)
+        if held is None:
+            return None, await self._head(claim)
+        if await self._landed_meanwhile(ref, name, buf, bad):
+            await self._release(claim, held)
+            return Outcome.HIT, None
+        return await self._fetch(ref, name, buf, origin, claim=held, slot=slot), None
+
+    async def _expired(
+        self, ref: BlockRef, name: str, claim: str, seen: ObjectInfo, buf: memoryview,
+        origin: Origin, slot: Slot,
+    ) -> Outcome | None:
+        """With `slot` taken: take over claim `seen`, which outlived its lease, and
+        fill the block; None where another waiter took it over first."""
+        self.counts.claims_expired += 1
+        held = await self._take_over(claim, seen.etag)
+        if held is _REFUSED:  # no If-Match here: each waiter fetches for itself
+            return await self._fetch(ref, name, buf, origin, claim=None, slot=slot)
+        if held is None:
+            return None
+        log.info("shared block %s: a claim made at %s UTC outlived its lease; taken over",
+                 name, time.strftime("%H:%M:%S", time.gmtime(seen.mtime)))
+        return await self._fetch(ref, name, buf, origin, claim=held, slot=slot)
 
     # -- steps -------------------------------------------------------------------
 
@@ -228,13 +288,19 @@ class BlockFlight:
         return n == ref.length and self.blocks.verifies(ref, view, info.metadata)
 
     async def _fetch(
-        self, ref: BlockRef, name: str, buf: memoryview, origin: Origin, *, claim: str | None
+        self, ref: BlockRef, name: str, buf: memoryview, origin: Origin, *, claim: str | None,
+        slot: Slot | None = None,
     ) -> Outcome:
-        """The block from the origin, put into the shared tier; `claim` (this node's
-        claim's ETag; None where the store has no conditional writes) released
-        whatever happens, so that nobody waits for a fetch that failed."""
+        """The block from the origin, put into the shared tier; `slot` given back as
+        soon as the origin is done with (the put does not use the link), `claim`
+        (this node's claim's ETag; None where the store has no conditional writes)
+        released whatever happens, so that nobody waits for a fetch that failed."""
         try:
-            await self._from_origin(ref, buf, origin)
+            try:
+                await self._from_origin(ref, buf, origin)
+            finally:
+                if slot is not None:
+                    slot.give()
             try:
                 await self._upload(self._put, ref, name, buf[: ref.length])
                 self.counts.puts += 1

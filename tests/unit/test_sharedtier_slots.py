@@ -1,0 +1,67 @@
+"""The origin slots' line (tierfs/sharedtier/slots.py): pure bookkeeping, no waiting."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from tierfs.sharedtier.slots import OriginSlots
+
+
+def test_a_free_slot_goes_to_the_oldest_fill_that_wants_one() -> None:
+    slots = OriginSlots(1)
+    first, second, third = slots.ticket(), slots.ticket(), slots.ticket()
+    held = slots.try_take(second)
+    assert held is not None
+    assert slots.try_take(third) is None  # none free: third waits in line
+    assert slots.try_take(first) is None  # so does first
+    held.give()
+    assert slots.try_take(third) is None  # first is older
+    taken = slots.try_take(first)
+    assert taken is not None
+    taken.give()
+    assert slots.try_take(third) is not None
+
+
+def test_a_fill_that_leaves_the_line_lets_younger_ones_take_the_slot() -> None:
+    slots = OriginSlots(1)
+    busy = slots.try_take(slots.ticket())
+    old, young = slots.ticket(), slots.ticket()
+    assert slots.try_take(old) is None
+    assert busy is not None
+    busy.give()
+    assert slots.try_take(young) is None  # old still wants it
+    slots.leave(old)  # its block came from the shared tier
+    assert slots.try_take(young) is not None
+
+
+def test_a_slot_is_given_back_once() -> None:
+    slots = OriginSlots(2)
+    a = slots.try_take(slots.ticket())
+    assert a is not None
+    a.give()
+    a.give()
+    assert slots.try_take(slots.ticket()) is not None
+    assert slots.try_take(slots.ticket()) is not None
+    assert slots.try_take(slots.ticket()) is None  # still two slots, not three
+
+
+async def test_fills_in_line_wake_when_a_slot_is_given_back(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    slots = OriginSlots(1)
+    held = slots.try_take(slots.ticket())
+    waiting = slots.ticket()
+    assert held is not None and slots.try_take(waiting) is None
+    woke: list[float] = []
+
+    async def wait() -> None:
+        await slots.changed(100.0)
+        woke.append(trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait)
+        await trio.testing.wait_all_tasks_blocked()
+        mock_clock.jump(3.0)
+        held.give()
+    assert woke == [3.0]

@@ -1,0 +1,84 @@
+"""Origin slots: how many blocks one node fetches from the origin at once, and in
+what order.
+
+Why: a herd's nodes read the same blocks in the same order, each asking for a
+whole window of them at once (a model prefetch keeps 15 parts in flight). Were
+every block of the window claimed at once, the origin link would carry them
+all together and, sharing it evenly, they would all land at the same moment at
+the window's end; every put, every other node's GET and every load would then
+queue behind that moment while the link idled (bench/sharedtier.py, 512 MiB in
+two shards: each shard's 15 blocks landed within 0.4 s of each other, their
+puts took 2-3 s more, and the link stood idle ~40% of the herd's time). With a
+few slots per node the herd keeps a few blocks on the link at a time: they land
+one after another, in the order they are read, and each block's put and GETs
+overlap the fetch of the blocks after it.
+
+A free slot goes to the oldest fill that wants one (tickets are handed out in
+the order fills start), so that blocks are claimed in the order readers need
+them.
+"""
+
+from __future__ import annotations
+
+import trio
+
+
+class Slot:
+    """One slot taken; given back once, however often `give` is called."""
+
+    def __init__(self, slots: OriginSlots) -> None:
+        self._slots: OriginSlots | None = slots
+
+    def give(self) -> None:
+        if self._slots is not None:
+            self._slots._given()
+            self._slots = None
+
+
+class OriginSlots:
+    def __init__(self, slots: int) -> None:
+        self._free = slots
+        self._wanting: set[int] = set()  # tickets of fills waiting for a slot
+        self._issued = 0
+        self._changed = trio.Event()
+
+    def ticket(self) -> int:
+        """A new fill's place in line."""
+        self._issued += 1
+        return self._issued
+
+    def try_take(self, ticket: int) -> Slot | None:
+        """A slot, if one is free for `ticket` (fewer older fills want one than are
+        free); otherwise None, and `ticket` is noted as wanting one."""
+        older = sum(1 for t in self._wanting if t < ticket)
+        if older < self._free:
+            self._free -= 1
+            self._drop(ticket)
+            return Slot(self)
+        self._wanting.add(ticket)
+        return None
+
+    def leave(self, ticket: int) -> None:
+        """`ticket` wants no slot (any more): its block came, or its fill ended."""
+        if ticket in self._wanting:
+            self._drop(ticket)
+
+    async def changed(self, timeout: float) -> None:
+        """Wait until a slot is given back or the line moves, or `timeout` seconds."""
+        with trio.move_on_after(timeout):
+            await self._changed.wait()
+
+    def _given(self) -> None:
+        self._free += 1
+        self._wake()
+
+    def _drop(self, ticket: int) -> None:
+        self._wanting.discard(ticket)
+        self._wake()  # a younger fill may now be first in line for a free slot
+
+    def _wake(self) -> None:
+        """Wake the fills waiting in line, where a slot is free for one of them
+        (they look for their block again when woken: no wake for nothing)."""
+        if self._free > 0 and self._wanting:
+            self._changed.set()
+            self._changed = trio.Event()
