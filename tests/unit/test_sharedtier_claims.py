@@ -79,10 +79,10 @@ def ref(index: int = 0, etag: str = "etag-1", size: int = len(DATA)) -> BlockRef
 
 
 def node(store: LocalStore, name: str, *, conditional: bool = True, secret: bytes | None = None,
-         wall: Callable[[], float] | None = None, slots: int = 2) -> BlockFlight:
+         wall: Callable[[], float] | None = None, fetches: int = 2) -> BlockFlight:
     return BlockFlight(store, Blocks(secret), lease=LEASE, conditional=conditional,
                        meta=inline, data=inline, upload=inline, counts=Counts(), node=name,
-                       origin_slots=slots, **({"wall": wall} if wall else {}))
+                       origin_fetches=fetches, **({"wall": wall} if wall else {}))
 
 
 async def fill(n: BlockFlight, r: BlockRef, origin: Origin) -> tuple[Outcome, bytes, float]:
@@ -173,63 +173,88 @@ async def fill_all(nodes: list[BlockFlight], origin: Origin) -> dict[str, list[O
 async def test_a_node_fetches_a_few_blocks_at_once_in_the_order_they_were_asked_for(
     store: LocalStore, mock_clock: trio.testing.MockClock
 ) -> None:
-    """A whole window of blocks asked for at once: the origin carries `slots` of
+    """A whole window of blocks asked for at once: the origin carries `fetches` of
     them at a time, oldest first, so that they land in order rather than all at
     the window's end."""
     mock_clock.autojump_threshold = 0
     origin = Origin()
-    a = node(store, "a", slots=2)
+    a = node(store, "a", fetches=2)
     out = await fill_all([a], origin)
     assert out["a"] == [Outcome.FILLED] * 4
     assert (origin.asked, origin.most) == ([0, 1, 2, 3], 2)
     assert a.counts.claims_won == 4
+    assert trio.current_time() == 2 * FETCH  # no gap between one fetch and the next
 
 
-async def test_a_herd_spreads_the_claims_and_keeps_its_slots_on_the_link(
+async def test_the_next_block_is_claimed_while_the_fetch_before_it_runs(
     store: LocalStore, mock_clock: trio.testing.MockClock
 ) -> None:
-    """Two nodes, one slot each, ask for the same four blocks at once: each claims
-    the oldest block nobody holds, so the origin carries two different blocks at
-    once, in order, each fetched once, and each node takes the other's."""
+    """One claim more than fetches: it waits, ready, and starts the moment the
+    fetch before it ends, not a claim's round trips later."""
     mock_clock.autojump_threshold = 0
     origin = Origin()
-    a, b = node(store, "a", slots=1), node(store, "b", slots=1)
+    a = node(store, "a", fetches=1)
+    claimed: list[list[bool]] = []
+
+    async def watch() -> None:
+        await trio.sleep(FETCH / 2)  # block 0 on the link
+        claimed.append([exists(store, claim_of(store, ref(i))) for i in range(3)])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch)
+        for i in range(3):
+            nursery.start_soon(fill, a, ref(i), origin)
+            await trio.testing.wait_all_tasks_blocked()
+    assert claimed == [[True, True, False]]
+    assert (origin.asked, origin.most, trio.current_time()) == ([0, 1, 2], 1, 3 * FETCH)
+
+
+async def test_a_herd_spreads_the_claims_and_keeps_its_fetches_on_the_link(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """Two nodes, one fetch each, ask for the same four blocks at once: each claims
+    the oldest blocks nobody holds, so the origin carries two different blocks
+    at once, each fetched once, and each node takes the other's."""
+    mock_clock.autojump_threshold = 0
+    origin = Origin()
+    a, b = node(store, "a", fetches=1), node(store, "b", fetches=1)
     out = await fill_all([a, b], origin)
-    assert (origin.asked, origin.most) == ([0, 1, 2, 3], 2)
+    assert (sorted(origin.asked), origin.most) == ([0, 1, 2, 3], 2)
     assert (a.counts.claims_won, b.counts.claims_won) == (2, 2)
     assert sorted(out["a"] + out["b"], key=lambda o: o.value) == (
         [Outcome.FILLED] * 4 + [Outcome.HIT] * 4)
-    # About two fetches' time for four blocks over two slots, not four.
+    # Two fetches' time for four blocks over two fetches at once, not four.
     assert trio.current_time() <= 2 * FETCH + 2 * POLL_MAX
 
 
 async def test_a_fill_waiting_for_a_slot_takes_the_block_another_node_put(
     store: LocalStore, mock_clock: trio.testing.MockClock
 ) -> None:
-    """A node whose only slot is busy does not claim, but keeps looking: the block
-    another node fetched meanwhile is taken from the shared tier."""
+    """A node whose slots are all taken does not claim, but keeps looking: the
+    block another node fetched meanwhile is taken from the shared tier."""
     mock_clock.autojump_threshold = 0
     slow, origin = Origin(), Origin()
     slow.hang = True
-    a, b = node(store, "a", slots=1), node(store, "b", slots=1)
+    a, b = node(store, "a", fetches=1), node(store, "b", fetches=1)
     results: list[tuple[Outcome, bytes, float]] = []
 
-    async def a_blocked_then_block_1() -> None:
-        results.append(await fill(a, ref(1), origin))
+    async def a_block_2() -> None:
+        results.append(await fill(a, ref(2), origin))
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(fill, a, ref(0), slow)  # holds a's slot for good
+        for i in (0, 1):  # a's fetch and its claim ready behind it: both slots
+            nursery.start_soon(fill, a, ref(i), slow)
+            await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(a_block_2)
         await trio.testing.wait_all_tasks_blocked()
-        nursery.start_soon(a_blocked_then_block_1)
-        await trio.testing.wait_all_tasks_blocked()
-        assert await fill(b, ref(1), origin) == (Outcome.FILLED, want(ref(1)), FETCH)
+        assert await fill(b, ref(2), origin) == (Outcome.FILLED, want(ref(2)), FETCH)
         while not results:
             await trio.sleep(POLL_MAX)
         nursery.cancel_scope.cancel()
     [(outcome, got, took)] = results
-    assert (outcome, got, origin.calls) == (Outcome.HIT, want(ref(1)), 1)
+    assert (outcome, got, origin.calls) == (Outcome.HIT, want(ref(2)), 1)
     assert took <= FETCH + POLL_MAX
-    assert a.counts.claims_won == 1  # block 0 only
+    assert a.counts.claims_won == 2  # blocks 0 and 1 only
 
 
 async def test_a_killed_claimer_is_taken_over_once_the_lease_runs_out(

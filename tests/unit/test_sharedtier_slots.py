@@ -1,4 +1,5 @@
-"""The origin slots' line (tierfs/sharedtier/slots.py): pure bookkeeping, no waiting."""
+"""The origin slots' line (tierfs/sharedtier/slots.py): who gets a free slot, and
+when a fill in line is woken. A node fetching F blocks at once has F + 1 slots."""
 
 from __future__ import annotations
 
@@ -8,8 +9,15 @@ import trio.testing
 from tierfs.sharedtier.slots import OriginSlots
 
 
-def test_a_free_slot_goes_to_the_oldest_fill_that_wants_one() -> None:
+def one_slot_left() -> OriginSlots:
+    """A node fetching one block at once (two slots), one of them taken for good."""
     slots = OriginSlots(1)
+    assert slots.try_take(slots.ticket()) is not None
+    return slots
+
+
+def test_a_free_slot_goes_to_the_oldest_fill_that_wants_one() -> None:
+    slots = one_slot_left()
     first, second, third = slots.ticket(), slots.ticket(), slots.ticket()
     held = slots.try_take(second)
     assert held is not None
@@ -24,7 +32,7 @@ def test_a_free_slot_goes_to_the_oldest_fill_that_wants_one() -> None:
 
 
 def test_a_fill_that_leaves_the_line_lets_younger_ones_take_the_slot() -> None:
-    slots = OriginSlots(1)
+    slots = one_slot_left()
     busy = slots.try_take(slots.ticket())
     old, young = slots.ticket(), slots.ticket()
     assert slots.try_take(old) is None
@@ -36,7 +44,7 @@ def test_a_fill_that_leaves_the_line_lets_younger_ones_take_the_slot() -> None:
 
 
 def test_a_slot_is_given_back_once() -> None:
-    slots = OriginSlots(2)
+    slots = OriginSlots(1)
     a = slots.try_take(slots.ticket())
     assert a is not None
     a.give()
@@ -49,7 +57,7 @@ def test_a_slot_is_given_back_once() -> None:
 async def test_fills_in_line_wake_when_a_slot_is_given_back(
     mock_clock: trio.testing.MockClock,
 ) -> None:
-    slots = OriginSlots(1)
+    slots = one_slot_left()
     held = slots.try_take(slots.ticket())
     waiting = slots.ticket()
     assert held is not None and slots.try_take(waiting) is None

@@ -40,6 +40,7 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -62,7 +63,7 @@ POLL_MAX = 0.25  # its longest pause: a block is taken at most this late
 POLL_GROWTH = 2.0
 # Blocks one node fetches from the origin at once through the shared tier
 # (slots.py: why few): a herd of N keeps N x this many on the origin link.
-ORIGIN_SLOTS = 2
+ORIGIN_FETCHES = 2
 CLAIM_EVERY = 1.0  # seconds between looks at the claim waited on (released? taken over?)
 # Wall-clock slack before a claim's Last-Modified alone (not this node's own
 # wait) counts as expired: clocks of nodes and store may differ this much.
@@ -126,7 +127,7 @@ class BlockFlight:
         now: Callable[[], float] = trio.current_time,
         wall: Callable[[], float] = time.time,
         node: str | None = None,
-        origin_slots: int = ORIGIN_SLOTS,
+        origin_fetches: int = ORIGIN_FETCHES,
     ) -> None:
         self.store = store
         self.blocks = blocks
@@ -136,7 +137,7 @@ class BlockFlight:
         self.counts = counts if counts is not None else Counts()
         self._now, self._wall = now, wall
         self.node = node or node_id()
-        self.slots = OriginSlots(origin_slots)
+        self.slots = OriginSlots(origin_fetches)
 
     async def fill(self, ref: BlockRef, buf: memoryview, origin: Origin) -> Outcome:
         """Fill `buf` (ref.length bytes) with block `ref`: from the shared tier if a
@@ -291,16 +292,14 @@ class BlockFlight:
         self, ref: BlockRef, name: str, buf: memoryview, origin: Origin, *, claim: str | None,
         slot: Slot | None = None,
     ) -> Outcome:
-        """The block from the origin, put into the shared tier; `slot` given back as
-        soon as the origin is done with (the put does not use the link), `claim`
+        """The block from the origin, put into the shared tier; `slot` (a claimed
+        fetch's) waited on for a fetch and given back as soon as the origin is done
+        with (the put does not use the link), `claim`
         (this node's claim's ETag; None where the store has no conditional writes)
         released whatever happens, so that nobody waits for a fetch that failed."""
         try:
-            try:
+            async with nullcontext() if slot is None else slot.fetching():
                 await self._from_origin(ref, buf, origin)
-            finally:
-                if slot is not None:
-                    slot.give()
             try:
                 await self._upload(self._put, ref, name, buf[: ref.length])
                 self.counts.puts += 1
