@@ -8,6 +8,7 @@ while every node waits."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,14 @@ import trio.testing
 from tierfs.budget import MemoryBudget
 from tierfs.read.sources import Got, MemorySink, Sink, Want
 from tierfs.sharedtier.blocks import SUM_META, BlockRef, Blocks
-from tierfs.sharedtier.claims import CLOCK_SKEW, POLL_MAX, BlockFlight, Counts, Outcome
+from tierfs.sharedtier.claims import (
+    CLOCK_SKEW,
+    LOOK_FRESH,
+    POLL_MAX,
+    BlockFlight,
+    Counts,
+    Outcome,
+)
 from tierfs.sharedtier.tier import SharedTier
 from tierfs.store.base import StoreError
 from tierfs.store.local import LocalStore
@@ -220,7 +228,7 @@ async def test_a_herd_spreads_the_claims_and_keeps_its_fetches_on_the_link(
     a, b = node(store, "a", fetches=1), node(store, "b", fetches=1)
     out = await fill_all([a, b], origin)
     assert (sorted(origin.asked), origin.most) == ([0, 1, 2, 3], 2)
-    assert (a.counts.claims_won, b.counts.claims_won) == (2, 2)
+    assert (a.counts.puts, b.counts.puts) == (2, 2)  # each fetched two
     assert sorted(out["a"] + out["b"], key=lambda o: o.value) == (
         [Outcome.FILLED] * 4 + [Outcome.HIT] * 4)
     # Two fetches' time for four blocks over two fetches at once, not four.
@@ -326,6 +334,34 @@ async def test_waiters_poll_with_bounded_backoff(
     assert got == want(r)
     assert took == pytest.approx(LEASE + FETCH)
     assert LEASE / POLL_MAX <= w.counts.polls <= LEASE / POLL_MAX + 12
+
+
+async def test_a_nodes_waiters_share_their_looks_at_an_object(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """Three fills waiting a whole lease on claims of one object look through
+    shared listings: a bounded number of LISTs, and HEADs only for first looks,
+    lost claims and blocks listed, not one per fill at every poll."""
+    mock_clock.autojump_threshold = 0
+    calls: Counter[str] = Counter()
+
+    async def counted(fn: Callable[..., Any], *args: Any) -> Any:
+        calls[fn.__name__] += 1
+        return fn(*args)
+
+    refs = [ref(i) for i in range(3)]
+    for r in refs:
+        store.put_bytes(Blocks().claim_name(r), b"{}", if_none_match=True)
+    w = BlockFlight(store, Blocks(), lease=LEASE, conditional=True, meta=counted, data=inline,
+                    upload=inline, counts=Counts(), node="w", origin_fetches=3)
+    origin = Origin()
+    async with trio.open_nursery() as nursery:
+        for r in refs:
+            nursery.start_soon(fill, w, r, origin)
+    assert origin.calls == 3  # each claim taken over once its lease ran out
+    assert calls["list_dir"] <= LEASE / LOOK_FRESH + 3
+    assert calls["head"] <= 3 * 4  # first look, lost claim, landed-meanwhile, release
+    assert w.counts.polls >= 3 * LEASE / POLL_MAX  # while looking as often as before
 
 
 async def test_a_failed_origin_fetch_releases_the_claim(

@@ -7,7 +7,8 @@ block from the origin, puts it, and deletes the claim. A node claims only while
 one of its few origin slots is free (slots.py), oldest fill first: a herd keeps
 a few blocks on the origin link at a time, and they land in the order they are
 read. Every other node looks for the block with bounded backoff (50 ms doubling
-to 250 ms), at the claim about once a second, and:
+to 250 ms), at the claim about once a second (after a first HEAD, through a
+listing of the object's blocks that the node's waiters share: looks.py), and:
 
 - takes the block as soon as it appears and verifies;
 - claims it itself if the claim disappears without a block (the claimer's
@@ -48,6 +49,7 @@ from typing import Any
 import trio
 
 from tierfs.sharedtier.blocks import SUM_META, BlockRef, Blocks
+from tierfs.sharedtier.looks import Looks
 from tierfs.sharedtier.slots import OriginSlots, Slot
 from tierfs.store.base import ObjectInfo, Store, StoreError
 
@@ -65,6 +67,10 @@ POLL_GROWTH = 2.0
 # (slots.py: why few): a herd of N keeps N x this many on the origin link.
 ORIGIN_FETCHES = 2
 CLAIM_EVERY = 1.0  # seconds between looks at the claim waited on (released? taken over?)
+# After its first look (a HEAD), a waiter looks through a listing of the
+# object's blocks and claims that its node's other waiters share (looks.py):
+# one that is at most this many seconds old.
+LOOK_FRESH = 0.15
 # Wall-clock slack before a claim's Last-Modified alone (not this node's own
 # wait) counts as expired: clocks of nodes and store may differ this much.
 CLOCK_SKEW = 5.0
@@ -138,6 +144,7 @@ class BlockFlight:
         self._now, self._wall = now, wall
         self.node = node or node_id()
         self.slots = OriginSlots(origin_fetches)
+        self._looks = Looks(store, meta, fresh=LOOK_FRESH, now=now)
 
     async def fill(self, ref: BlockRef, buf: memoryview, origin: Origin) -> Outcome:
         """Fill `buf` (ref.length bytes) with block `ref`: from the shared tier if a
@@ -159,7 +166,7 @@ class BlockFlight:
         pause = POLL_FIRST
         missed = False
         while True:
-            info = await self._head(name)
+            info = await (self._landed(name, bad) if missed else self._head(name))
             if info is not None and _version(info) != bad:
                 if await self._take(ref, name, info, buf):
                     return Outcome.HIT
@@ -172,7 +179,7 @@ class BlockFlight:
             now = self._now()
             if seen is None or now - looked >= CLAIM_EVERY or now - waiting_since >= self.lease:
                 # The claim is looked at now and then, not at every look for the block.
-                seen = None if waited_on is None else await self._head(claim)
+                seen = None if waited_on is None else await self._listed(claim)
                 if seen is None:
                     slot = await self._slot(ticket, pause)
                     if slot is None:
@@ -249,6 +256,14 @@ class BlockFlight:
         return await self._fetch(ref, name, buf, origin, claim=held, slot=slot)
 
     # -- steps -------------------------------------------------------------------
+
+    async def _landed(self, name: str, bad: tuple[str, str | None] | None) -> ObjectInfo | None:
+        """The block object, with its metadata, once a listing shows a put of it
+        other than the one that did not verify."""
+        listed = await self._listed(name)
+        if listed is None or (bad is not None and listed.etag == bad[0]):
+            return None
+        return await self._head(name)
 
     async def _landed_meanwhile(
         self, ref: BlockRef, name: str, buf: memoryview, bad: tuple[str, str | None] | None
@@ -369,6 +384,13 @@ class BlockFlight:
                 await self._meta(self.store.delete, claim)
         except (SharedError, StoreError) as exc:
             log.debug("releasing claim %s: %s", claim, exc)
+
+    async def _listed(self, name: str) -> ObjectInfo | None:
+        """`name` as a recent listing shows it (looks.py; no metadata)."""
+        try:
+            return await self._looks.find(name)
+        except StoreError as exc:
+            raise SharedError(exc) from exc
 
     async def _head(self, name: str) -> ObjectInfo | None:
         try:
