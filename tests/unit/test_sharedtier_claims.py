@@ -506,9 +506,9 @@ async def test_the_tier_leaves_small_objects_and_a_failing_store_to_the_origin(
     mock_clock.autojump_threshold = 0
     (tmp_path / "a-file").write_bytes(b"")
     gone = LocalStore(str(tmp_path / "a-file"))  # a root that is a file: every put fails
-    tier = SharedTier(gone, source="s3://models", block=BLOCK, lease=LEASE, conditional=True,
-                      secret=None, budget=MemoryBudget(1 << 30), meta=inline, data=inline,
-                      upload=inline)
+    tier = SharedTier(gone, source="s3://models", block=BLOCK, lease=LEASE, origin_fetches=1,
+                      conditional=True, secret=None, budget=MemoryBudget(1 << 30), meta=inline,
+                      data=inline, upload=inline)
     asked: list[Want] = []
 
     async def below(want: Want, sink: Sink) -> Got:

@@ -63,9 +63,6 @@ Origin = Callable[[memoryview], Awaitable[int]]
 POLL_FIRST = 0.05  # seconds before a waiter's first look for the block
 POLL_MAX = 0.25  # its longest pause: a block is taken at most this late
 POLL_GROWTH = 2.0
-# Blocks one node fetches from the origin at once through the shared tier
-# (slots.py: why few): a herd of N keeps N x this many on the origin link.
-ORIGIN_FETCHES = 2
 CLAIM_EVERY = 1.0  # seconds between looks at the claim waited on (released? taken over?)
 # After its first look (a HEAD), a waiter looks through a listing of the
 # object's blocks and claims that its node's other waiters share (looks.py):
@@ -125,6 +122,7 @@ class BlockFlight:
         blocks: Blocks,
         *,
         lease: float,
+        origin_fetches: int,  # at once (slots.py); one more claimed, ready
         conditional: bool,
         meta: Runner,
         data: Runner,
@@ -133,7 +131,6 @@ class BlockFlight:
         now: Callable[[], float] = trio.current_time,
         wall: Callable[[], float] = time.time,
         node: str | None = None,
-        origin_fetches: int = ORIGIN_FETCHES,
     ) -> None:
         self.store = store
         self.blocks = blocks
