@@ -175,8 +175,9 @@ class BlockFlight:
                 return await self._fetch(ref, name, buf, origin, claim=None)
             now = self._now()
             if seen is None or now - looked >= CLAIM_EVERY or now - waiting_since >= self.lease:
-                # The claim is looked at now and then, not at every look for the block.
-                seen = None if waited_on is None else await self._listed(claim)
+                # The claim is looked at now and then, not at every look for the block;
+                # one another node holds is seen in the listing: no claim tried on it.
+                seen = await self._listed(claim)
                 if seen is None:
                     slot = await self._slot(ticket, pause)
                     if slot is None:
