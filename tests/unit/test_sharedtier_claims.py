@@ -265,6 +265,29 @@ async def test_a_fill_waiting_for_a_slot_takes_the_block_another_node_put(
     assert a.counts.claims_won == 2  # blocks 0 and 1 only
 
 
+async def test_a_fill_that_finds_its_block_claimed_meanwhile_leaves_the_line(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """A fill in line for a slot whose block another node claims meanwhile waits on
+    that claim instead: the younger fill behind it takes the next free slot, not
+    one after."""
+    mock_clock.autojump_threshold = 0
+    origin = Origin()
+    a = node(store, "a", fetches=1)
+    async with trio.open_nursery() as nursery:
+        for i in (2, 3, 0):  # 2 fetching and 3 claimed behind it: both slots; 0 in line
+            nursery.start_soon(fill, a, ref(i), origin)
+            await trio.testing.wait_all_tasks_blocked()
+        store.put_bytes(Blocks().claim_name(ref(0)), b"{}", if_none_match=True)  # node b's
+        await trio.sleep(POLL_MAX + LOOK_FRESH)  # 0 has seen it
+        nursery.start_soon(fill, a, ref(1), origin)
+        await trio.sleep(FETCH + FETCH / 2 - trio.current_time())  # 3 on the link
+        assert exists(store, claim_of(store, ref(1)))  # claimed, ready behind it
+        await trio.sleep(2 * FETCH)
+        nursery.cancel_scope.cancel()  # 0 would wait out b's lease
+    assert origin.asked == [2, 3, 1]
+
+
 async def test_a_killed_claimer_is_taken_over_once_the_lease_runs_out(
     store: LocalStore, mock_clock: trio.testing.MockClock
 ) -> None:

@@ -178,7 +178,9 @@ class BlockFlight:
                 # The claim is looked at now and then, not at every look for the block;
                 # one another node holds is seen in the listing: no claim tried on it.
                 seen = await self._listed(claim)
-                if seen is None:
+                if seen is not None:
+                    self.slots.leave(ticket)  # waiting on that claim, not for a slot
+                else:
                     slot = await self._slot(ticket, pause)
                     if slot is None:
                         pause = min(pause * POLL_GROWTH, POLL_MAX)
