@@ -307,10 +307,10 @@ class BlockFlight:
         self, ref: BlockRef, name: str, buf: memoryview, origin: Origin, *, claim: str | None,
         slot: Slot | None = None,
     ) -> Outcome:
-        """The block from the origin, put into the shared tier; `slot` (a claimed
-        fetch's) waited on for a fetch and given back as soon as the origin is done
-        with (the put does not use the link), `claim`
-        (this node's claim's ETag; None where the store has no conditional writes)
+        """The block from the origin, put into the shared tier. `slot` (a claimed
+        block's) waits for one of the node's fetches and is given back as soon as
+        the origin is done with (the put does not use the link); `claim` (this
+        node's claim's ETag; None where the store has no conditional writes) is
         released whatever happens, so that nobody waits for a fetch that failed."""
         try:
             async with nullcontext() if slot is None else slot.fetching():
