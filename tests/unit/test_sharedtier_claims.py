@@ -24,6 +24,7 @@ from tierfs.sharedtier.claims import (
     CLOCK_SKEW,
     LOOK_FRESH,
     POLL_MAX,
+    SHARED_GETS,
     BlockFlight,
     Counts,
     Outcome,
@@ -286,6 +287,34 @@ async def test_a_fill_that_finds_its_block_claimed_meanwhile_leaves_the_line(
         await trio.sleep(2 * FETCH)
         nursery.cancel_scope.cancel()  # 0 would wait out b's lease
     assert origin.asked == [2, 3, 1]
+
+
+async def test_blocks_that_landed_are_taken_a_few_at_a_time_oldest_first(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """Four blocks there at once: taken SHARED_GETS at a time in the order their
+    fills started, so that the oldest arrives first, not all of them last."""
+    mock_clock.autojump_threshold = 0
+    origin = Origin()
+    first = node(store, "first")
+    await fill_all([first], origin)  # puts every block
+    started: list[int] = []
+    inflight = most = 0
+
+    async def data(fn: Callable[..., Any], *args: Any) -> Any:
+        nonlocal inflight, most
+        started.append(args[0].index)
+        inflight += 1
+        most = max(most, inflight)
+        await trio.sleep(0.1 * (1 + args[0].index))  # a GET; one ends at a time
+        inflight -= 1
+        return fn(*args)
+
+    later = BlockFlight(store, Blocks(), lease=LEASE, origin_fetches=1, conditional=True,
+                        meta=inline, data=data, upload=inline, node="later")
+    out = await fill_all([later], origin)
+    assert out["later"] == [Outcome.HIT] * 4
+    assert (started, most, origin.calls) == ([0, 1, 2, 3], SHARED_GETS, 4)
 
 
 async def test_a_killed_claimer_is_taken_over_once_the_lease_runs_out(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from tierfs.sharedtier.slots import OriginSlots
+from tierfs.sharedtier.slots import Line, OriginSlots
 
 
 def one_slot_left() -> OriginSlots:
@@ -73,3 +73,16 @@ async def test_fills_in_line_wake_when_a_slot_is_given_back(
         mock_clock.jump(3.0)
         held.give()
     assert woke == [3.0]
+
+
+async def test_a_fill_cancelled_while_in_line_leaves_it(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    mock_clock.autojump_threshold = 0
+    line = Line(1)
+    held = line.try_take(1)
+    assert held is not None
+    with trio.move_on_after(1.0):
+        await line.take(2)  # waits: cancelled before the slot is back
+    held.give()
+    assert line.try_take(3) is not None  # 2 is not ahead of it any more

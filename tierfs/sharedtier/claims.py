@@ -50,7 +50,7 @@ import trio
 
 from tierfs.sharedtier.blocks import SUM_META, BlockRef, Blocks
 from tierfs.sharedtier.looks import Looks
-from tierfs.sharedtier.slots import OriginSlots, Slot
+from tierfs.sharedtier.slots import Line, OriginSlots, Slot
 from tierfs.store.base import ObjectInfo, Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ CLAIM_EVERY = 1.0  # seconds between looks at the claim waited on (released? tak
 # object's blocks and claims that its node's other waiters share (looks.py):
 # one that is at most this many seconds old.
 LOOK_FRESH = 0.15
+SHARED_GETS = 2  # blocks a node takes from the shared tier at once, oldest first (slots.py)
 # Wall-clock slack before a claim's Last-Modified alone (not this node's own
 # wait) counts as expired: clocks of nodes and store may differ this much.
 CLOCK_SKEW = 5.0
@@ -141,6 +142,7 @@ class BlockFlight:
         self._now, self._wall = now, wall
         self.node = node or node_id()
         self.slots = OriginSlots(origin_fetches)
+        self._gets = Line(SHARED_GETS)
         self._looks = Looks(store, meta, fresh=LOOK_FRESH, now=now)
 
     async def fill(self, ref: BlockRef, buf: memoryview, origin: Origin) -> Outcome:
@@ -153,6 +155,7 @@ class BlockFlight:
             return await self._fill(ref, buf, origin, ticket)
         finally:
             self.slots.leave(ticket)
+            self._gets.leave(ticket)
 
     async def _fill(self, ref: BlockRef, buf: memoryview, origin: Origin, ticket: int) -> Outcome:
         name, claim = self.blocks.name(ref), self.blocks.claim_name(ref)
@@ -165,7 +168,7 @@ class BlockFlight:
         while True:
             info = await (self._landed(name, bad) if missed else self._head(name))
             if info is not None and _version(info) != bad:
-                if await self._take(ref, name, info, buf):
+                if await self._take(ref, name, info, buf, ticket):
                     return Outcome.HIT
                 bad = _version(info)
             if not missed:
@@ -186,7 +189,8 @@ class BlockFlight:
                         pause = min(pause * POLL_GROWTH, POLL_MAX)
                         continue
                     try:
-                        done, seen = await self._claim(ref, name, claim, buf, origin, bad, slot)
+                        done, seen = await self._claim(ref, name, claim, buf, origin, bad, slot,
+                                                       ticket)
                     finally:
                         slot.give()
                     if done is not None:
@@ -226,7 +230,7 @@ class BlockFlight:
 
     async def _claim(
         self, ref: BlockRef, name: str, claim: str, buf: memoryview, origin: Origin,
-        bad: tuple[str, str | None] | None, slot: Slot,
+        bad: tuple[str, str | None] | None, slot: Slot, ticket: int,
     ) -> tuple[Outcome | None, ObjectInfo | None]:
         """With `slot` taken: claim the block and fill it (its Outcome), or, where
         another node holds the claim, that claim as it is now (None: released in
@@ -234,7 +238,7 @@ class BlockFlight:
         held = await self._create_claim(claim)
         if held is None:
             return None, await self._head(claim)
-        if await self._landed_meanwhile(ref, name, buf, bad):
+        if await self._landed_meanwhile(ref, name, buf, bad, ticket):
             await self._release(claim, held)
             return Outcome.HIT, None
         return await self._fetch(ref, name, buf, origin, claim=held, slot=slot), None
@@ -266,7 +270,8 @@ class BlockFlight:
         return await self._head(name)
 
     async def _landed_meanwhile(
-        self, ref: BlockRef, name: str, buf: memoryview, bad: tuple[str, str | None] | None
+        self, ref: BlockRef, name: str, buf: memoryview, bad: tuple[str, str | None] | None,
+        ticket: int,
     ) -> bool:
         """Whether the block landed between this node's look and its claim (its
         claimer put it, then released the claim): one more look saves an origin
@@ -274,21 +279,27 @@ class BlockFlight:
         try:
             info = await self._head(name)
             return info is not None and _version(info) != bad and await self._take(
-                ref, name, info, buf)
+                ref, name, info, buf, ticket)
         except SharedError:
             return False
 
-    async def _take(self, ref: BlockRef, name: str, info: ObjectInfo, buf: memoryview) -> bool:
-        """GET the block (pinned to the ETag just seen) into buf and verify it."""
+    async def _take(
+        self, ref: BlockRef, name: str, info: ObjectInfo, buf: memoryview, ticket: int
+    ) -> bool:
+        """GET the block (pinned to the ETag just seen) into buf and verify it, once
+        fill `ticket` is first in line for a GET."""
         if info.size != ref.length:
             ok = False
         else:
+            slot = await self._gets.take(ticket)
             try:
                 ok = await self._data(self._get_verified, ref, name, info, buf)
             except StoreError as exc:
                 if exc.kind in ("changed", "not_found"):
                     return False  # replaced or removed since the HEAD: look again
                 raise SharedError(exc) from exc
+            finally:
+                slot.give()
         if ok:
             self.counts.hits += 1
             self.counts.shared_bytes += ref.length
@@ -313,7 +324,7 @@ class BlockFlight:
         node's claim's ETag; None where the store has no conditional writes) is
         released whatever happens, so that nobody waits for a fetch that failed."""
         try:
-            async with nullcontext() if slot is None else slot.fetching():
+            async with nullcontext() if slot is None else self.slots.fetching(slot):
                 await self._from_origin(ref, buf, origin)
             try:
                 await self._upload(self._put, ref, name, buf[: ref.length])

@@ -1,5 +1,5 @@
-"""Origin slots: how many blocks one node fetches from the origin at once, and in
-what order.
+"""Lines: how many blocks one node fetches from the origin, or takes from the
+shared tier, at once, and in what order.
 
 Why: a herd's nodes read the same blocks in the same order, each asking for a
 whole window of them at once (a model prefetch keeps 15 parts in flight). Were
@@ -21,10 +21,17 @@ claimed first, a claim costs a few round trips: 0.4-1.1 s on the loaded bench
 machine, with the link idle meanwhile). A free slot goes to the oldest fill
 that wants one (tickets are handed out in the order fills start), so that
 blocks are claimed in the order readers need them.
+
+Blocks that land while a node waits for them (several at once, where one
+listing shows them) are taken from the shared tier a few at a time, oldest
+first, for the same reason: the reader needs the oldest first, and all taken at
+once they would all arrive last (1 GiB, a herd of 4: the first blocks of a
+shard taken 2-3 s after they were put, behind the blocks after them).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -34,41 +41,25 @@ import trio
 class Slot:
     """One slot taken; given back once, however often `give` is called."""
 
-    def __init__(self, slots: OriginSlots) -> None:
-        self._slots: OriginSlots | None = slots
+    def __init__(self, line: Line) -> None:
+        self._line: Line | None = line
 
     def give(self) -> None:
-        if self._slots is not None:
-            self._slots._given()
-            self._slots = None
-
-    @asynccontextmanager
-    async def fetching(self) -> AsyncIterator[None]:
-        """While the block comes from the origin: one of the node's fetches (the
-        claimed block waits here for one), then the slot is given back."""
-        assert self._slots is not None
-        try:
-            async with self._slots._fetches:
-                yield
-        finally:
-            self.give()
+        if self._line is not None:
+            self._line._given()
+            self._line = None
 
 
-class OriginSlots:
-    def __init__(self, fetches: int) -> None:
-        self._free = fetches + 1
-        self._fetches = trio.Semaphore(fetches)  # FIFO: claimed blocks start in order
-        self._wanting: set[int] = set()  # tickets of fills waiting for a slot
-        self._issued = 0
+class Line:
+    """`slots` slots, each free one for the oldest ticket in line."""
+
+    def __init__(self, slots: int) -> None:
+        self._free = slots
+        self._wanting: set[int] = set()  # tickets waiting for a slot
         self._changed = trio.Event()
 
-    def ticket(self) -> int:
-        """A new fill's place in line."""
-        self._issued += 1
-        return self._issued
-
     def try_take(self, ticket: int) -> Slot | None:
-        """A slot, if one is free for `ticket` (fewer older fills want one than are
+        """A slot, if one is free for `ticket` (fewer older tickets want one than are
         free); otherwise None, and `ticket` is noted as wanting one."""
         older = sum(1 for t in self._wanting if t < ticket)
         if older < self._free:
@@ -77,6 +68,16 @@ class OriginSlots:
             return Slot(self)
         self._wanting.add(ticket)
         return None
+
+    async def take(self, ticket: int) -> Slot:
+        """A slot, once one is free for `ticket`."""
+        try:
+            while (slot := self.try_take(ticket)) is None:
+                await self.changed(math.inf)
+        except BaseException:
+            self.leave(ticket)
+            raise
+        return slot
 
     def leave(self, ticket: int) -> None:
         """`ticket` wants no slot (any more): its block came, or its fill ended."""
@@ -102,3 +103,28 @@ class OriginSlots:
         if self._free > 0 and self._wanting:
             self._changed.set()
             self._changed = trio.Event()
+
+
+class OriginSlots(Line):
+    """Claims a node may hold on blocks it has not fetched yet: one more than it
+    fetches at once."""
+
+    def __init__(self, fetches: int) -> None:
+        super().__init__(fetches + 1)
+        self._fetches = trio.Semaphore(fetches)  # FIFO: claimed blocks start in order
+        self._issued = 0
+
+    def ticket(self) -> int:
+        """A new fill's place in line."""
+        self._issued += 1
+        return self._issued
+
+    @asynccontextmanager
+    async def fetching(self, slot: Slot) -> AsyncIterator[None]:
+        """While a claimed block comes from the origin: one of the node's fetches
+        (it waits here for one), then its slot is given back."""
+        try:
+            async with self._fetches:
+                yield
+        finally:
+            slot.give()
