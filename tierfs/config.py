@@ -169,6 +169,13 @@ CHUNK_SIZE = 1 * MiB
 # before fetching it itself (well above one block's fetch over a slow link).
 SHARED_BLOCK = PART_SIZE
 SHARED_LEASE = 30.0
+# Blocks a node fetches from the origin at once through the shared tier (with
+# one more claimed, ready to start: sharedtier/slots.py). A herd of N keeps N x
+# this many on the origin link, landing in the order they are read; a herd of 4
+# loading 1 GiB over a 400 Mbit/s link took 29.4 s with 1, 31.7 s with 2 (22.1-
+# 22.5 s alone; bench VM, 2 cores). A small herd whose origin link one stream
+# cannot fill wants more.
+SHARED_ORIGIN_FETCHES = 1
 
 # Directories' attribute objects (namespace/dirattrs.py): this mount's changes of
 # one directory are written at most every DIR_ATTRS_DELAY seconds plus a second
@@ -413,6 +420,7 @@ class MountConfig:
     shared_secret_file: Path | None = None
     shared_block_size: int = SHARED_BLOCK
     shared_lease: float = SHARED_LEASE
+    shared_origin_fetches: int = SHARED_ORIGIN_FETCHES
 
     rules: tuple[tuple[str, str], ...] = DEFAULT_RULES
     classes: dict[str, ClassSettings] = field(default_factory=lambda: dict(DEFAULT_CLASSES))
@@ -676,6 +684,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("shared", "secret_file"): ("shared_secret_file", _want_abs_path),
     ("shared", "block_size"): ("shared_block_size", _want_pos_size),
     ("shared", "lease"): ("shared_lease", _want_finite_seconds),
+    ("shared", "origin_fetches"): ("shared_origin_fetches", _want_pos_int),
     ("metrics", "addr"): ("metrics_addr", _want_str),
     ("metrics", "allow_remote"): ("metrics_allow_remote", _want_bool),
     ("logging", "level"): ("log_level", _want_level),

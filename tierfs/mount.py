@@ -164,7 +164,8 @@ async def build(p: Prepared, nursery: trio.Nursery, stop: trio.Event) -> Parts:
                    defaults=defaults)
     shared = None if p.shared is None else SharedTier(
         p.shared.store, **origin_of(cfg.source), block=cfg.shared_block_size,
-        lease=cfg.shared_lease, conditional=p.shared.conditional, secret=p.shared.secret,
+        lease=cfg.shared_lease, origin_fetches=cfg.shared_origin_fetches,
+        conditional=p.shared.conditional, secret=p.shared.secret,
         budget=budget, meta=workers.meta, data=workers.data, upload=workers.upload)
     if shared is not None:
         metrics.add_live(shared.figures)

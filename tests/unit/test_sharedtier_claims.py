@@ -8,6 +8,7 @@ while every node waits."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,15 @@ import trio.testing
 from tierfs.budget import MemoryBudget
 from tierfs.read.sources import Got, MemorySink, Sink, Want
 from tierfs.sharedtier.blocks import SUM_META, BlockRef, Blocks
-from tierfs.sharedtier.claims import CLOCK_SKEW, POLL_MAX, BlockFlight, Counts, Outcome
+from tierfs.sharedtier.claims import (
+    CLOCK_SKEW,
+    LOOK_FRESH,
+    POLL_MAX,
+    SHARED_GETS,
+    BlockFlight,
+    Counts,
+    Outcome,
+)
 from tierfs.sharedtier.tier import SharedTier
 from tierfs.store.base import StoreError
 from tierfs.store.local import LocalStore
@@ -36,18 +45,27 @@ async def inline(fn: Callable[..., Any], *args: Any) -> Any:
 
 class Origin:
     """The origin as the shared tier sees it: fills a view with the object's bytes
-    after FETCH virtual seconds; counts calls; can be told to fail or hang."""
+    after FETCH virtual seconds; counts calls, the most in flight at once and the
+    blocks asked for in order; can be told to fail or hang."""
 
     def __init__(self, data: bytes = DATA) -> None:
         self.data = data
         self.calls = 0
+        self.inflight = self.most = 0
+        self.asked: list[int] = []  # block indexes, in the order fetches started
         self.fail: Exception | None = None
         self.hang = False
 
     def at(self, start: int) -> Callable[[memoryview], Any]:
         async def fill(view: memoryview) -> int:
             self.calls += 1
-            await trio.sleep(FETCH)
+            self.asked.append(start // BLOCK)
+            self.inflight += 1
+            self.most = max(self.most, self.inflight)
+            try:
+                await trio.sleep(FETCH)
+            finally:
+                self.inflight -= 1
             if self.hang:
                 await trio.sleep_forever()
             if self.fail is not None:
@@ -70,10 +88,10 @@ def ref(index: int = 0, etag: str = "etag-1", size: int = len(DATA)) -> BlockRef
 
 
 def node(store: LocalStore, name: str, *, conditional: bool = True, secret: bytes | None = None,
-         wall: Callable[[], float] | None = None) -> BlockFlight:
+         wall: Callable[[], float] | None = None, fetches: int = 2) -> BlockFlight:
     return BlockFlight(store, Blocks(secret), lease=LEASE, conditional=conditional,
                        meta=inline, data=inline, upload=inline, counts=Counts(), node=name,
-                       **({"wall": wall} if wall else {}))
+                       origin_fetches=fetches, **({"wall": wall} if wall else {}))
 
 
 async def fill(n: BlockFlight, r: BlockRef, origin: Origin) -> tuple[Outcome, bytes, float]:
@@ -140,6 +158,163 @@ async def test_a_herd_costs_the_origin_one_fetch_per_block(
     assert sum(n.counts.claims_expired for n in nodes) == 0
     # Waiters take the block at most POLL_MAX after it landed.
     assert max(t for _, _, t in results) <= FETCH + POLL_MAX
+
+
+async def fill_all(nodes: list[BlockFlight], origin: Origin) -> dict[str, list[Outcome]]:
+    """Every node fills every block of DATA at once, each starting its fills in
+    block order (a prefetch window): each node's outcomes by block."""
+    refs = [ref(i) for i in range(-(-len(DATA) // BLOCK))]
+    out: dict[str, list[Outcome]] = {n.node: [Outcome.OWN] * len(refs) for n in nodes}
+
+    async def one(n: BlockFlight, r: BlockRef) -> None:
+        outcome, got, _ = await fill(n, r, origin)
+        assert got == want(r)
+        out[n.node][r.index] = outcome
+
+    async with trio.open_nursery() as nursery:
+        for n in nodes:
+            for r in refs:
+                nursery.start_soon(one, n, r)
+                await trio.testing.wait_all_tasks_blocked()  # started in order
+    return out
+
+
+async def test_a_node_fetches_a_few_blocks_at_once_in_the_order_they_were_asked_for(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """A whole window of blocks asked for at once: the origin carries `fetches` of
+    them at a time, oldest first, so that they land in order rather than all at
+    the window's end."""
+    mock_clock.autojump_threshold = 0
+    origin = Origin()
+    a = node(store, "a", fetches=2)
+    out = await fill_all([a], origin)
+    assert out["a"] == [Outcome.FILLED] * 4
+    assert (origin.asked, origin.most) == ([0, 1, 2, 3], 2)
+    assert a.counts.claims_won == 4
+    assert trio.current_time() == 2 * FETCH  # no gap between one fetch and the next
+
+
+async def test_the_next_block_is_claimed_while_the_fetch_before_it_runs(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """One claim more than fetches: it waits, ready, and starts the moment the
+    fetch before it ends, not a claim's round trips later."""
+    mock_clock.autojump_threshold = 0
+    origin = Origin()
+    a = node(store, "a", fetches=1)
+    claimed: list[list[bool]] = []
+
+    async def watch() -> None:
+        await trio.sleep(FETCH / 2)  # block 0 on the link
+        claimed.append([exists(store, claim_of(store, ref(i))) for i in range(3)])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch)
+        for i in range(3):
+            nursery.start_soon(fill, a, ref(i), origin)
+            await trio.testing.wait_all_tasks_blocked()
+    assert claimed == [[True, True, False]]
+    assert (origin.asked, origin.most, trio.current_time()) == ([0, 1, 2], 1, 3 * FETCH)
+
+
+async def test_a_herd_spreads_the_claims_and_keeps_its_fetches_on_the_link(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """Two nodes, one fetch each, ask for the same four blocks at once: each claims
+    the oldest blocks nobody holds, so the origin carries two different blocks
+    at once, each fetched once, and each node takes the other's."""
+    mock_clock.autojump_threshold = 0
+    origin = Origin()
+    a, b = node(store, "a", fetches=1), node(store, "b", fetches=1)
+    out = await fill_all([a, b], origin)
+    assert (sorted(origin.asked), origin.most) == ([0, 1, 2, 3], 2)
+    assert (a.counts.puts, b.counts.puts) == (2, 2)  # each fetched two
+    assert sorted(out["a"] + out["b"], key=lambda o: o.value) == (
+        [Outcome.FILLED] * 4 + [Outcome.HIT] * 4)
+    # Two fetches' time for four blocks over two fetches at once, not four.
+    assert trio.current_time() <= 2 * FETCH + 2 * POLL_MAX
+
+
+async def test_a_fill_waiting_for_a_slot_takes_the_block_another_node_put(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """A node whose slots are all taken does not claim, but keeps looking: the
+    block another node fetched meanwhile is taken from the shared tier."""
+    mock_clock.autojump_threshold = 0
+    slow, origin = Origin(), Origin()
+    slow.hang = True
+    a, b = node(store, "a", fetches=1), node(store, "b", fetches=1)
+    results: list[tuple[Outcome, bytes, float]] = []
+
+    async def a_block_2() -> None:
+        results.append(await fill(a, ref(2), origin))
+
+    async with trio.open_nursery() as nursery:
+        for i in (0, 1):  # a's fetch and its claim ready behind it: both slots
+            nursery.start_soon(fill, a, ref(i), slow)
+            await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(a_block_2)
+        await trio.testing.wait_all_tasks_blocked()
+        assert await fill(b, ref(2), origin) == (Outcome.FILLED, want(ref(2)), FETCH)
+        while not results:
+            await trio.sleep(POLL_MAX)
+        nursery.cancel_scope.cancel()
+    [(outcome, got, took)] = results
+    assert (outcome, got, origin.calls) == (Outcome.HIT, want(ref(2)), 1)
+    assert took <= FETCH + POLL_MAX
+    assert a.counts.claims_won == 2  # blocks 0 and 1 only
+
+
+async def test_a_fill_that_finds_its_block_claimed_meanwhile_leaves_the_line(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """A fill in line for a slot whose block another node claims meanwhile waits on
+    that claim instead: the younger fill behind it takes the next free slot, not
+    one after."""
+    mock_clock.autojump_threshold = 0
+    origin = Origin()
+    a = node(store, "a", fetches=1)
+    async with trio.open_nursery() as nursery:
+        for i in (2, 3, 0):  # 2 fetching and 3 claimed behind it: both slots; 0 in line
+            nursery.start_soon(fill, a, ref(i), origin)
+            await trio.testing.wait_all_tasks_blocked()
+        store.put_bytes(Blocks().claim_name(ref(0)), b"{}", if_none_match=True)  # node b's
+        await trio.sleep(POLL_MAX + LOOK_FRESH)  # 0 has seen it
+        nursery.start_soon(fill, a, ref(1), origin)
+        await trio.sleep(FETCH + FETCH / 2 - trio.current_time())  # 3 on the link
+        assert exists(store, claim_of(store, ref(1)))  # claimed, ready behind it
+        await trio.sleep(2 * FETCH)
+        nursery.cancel_scope.cancel()  # 0 would wait out b's lease
+    assert origin.asked == [2, 3, 1]
+
+
+async def test_blocks_that_landed_are_taken_a_few_at_a_time_oldest_first(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """Four blocks there at once: taken SHARED_GETS at a time in the order their
+    fills started, so that the oldest arrives first, not all of them last."""
+    mock_clock.autojump_threshold = 0
+    origin = Origin()
+    first = node(store, "first")
+    await fill_all([first], origin)  # puts every block
+    started: list[int] = []
+    inflight = most = 0
+
+    async def data(fn: Callable[..., Any], *args: Any) -> Any:
+        nonlocal inflight, most
+        started.append(args[0].index)
+        inflight += 1
+        most = max(most, inflight)
+        await trio.sleep(0.1 * (1 + args[0].index))  # a GET; one ends at a time
+        inflight -= 1
+        return fn(*args)
+
+    later = BlockFlight(store, Blocks(), lease=LEASE, origin_fetches=1, conditional=True,
+                        meta=inline, data=data, upload=inline, node="later")
+    out = await fill_all([later], origin)
+    assert out["later"] == [Outcome.HIT] * 4
+    assert (started, most, origin.calls) == ([0, 1, 2, 3], SHARED_GETS, 4)
 
 
 async def test_a_killed_claimer_is_taken_over_once_the_lease_runs_out(
@@ -211,6 +386,36 @@ async def test_waiters_poll_with_bounded_backoff(
     assert got == want(r)
     assert took == pytest.approx(LEASE + FETCH)
     assert LEASE / POLL_MAX <= w.counts.polls <= LEASE / POLL_MAX + 12
+
+
+async def test_a_nodes_waiters_share_their_looks_at_an_object(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """Three fills waiting a whole lease on claims of one object look through
+    shared listings: a bounded number of LISTs, and HEADs only for first looks,
+    lost claims and blocks listed, not one per fill at every poll."""
+    mock_clock.autojump_threshold = 0
+    calls: Counter[str] = Counter()
+
+    async def counted(fn: Callable[..., Any], *args: Any) -> Any:
+        calls[fn.__name__] += 1
+        return fn(*args)
+
+    refs = [ref(i) for i in range(3)]
+    for r in refs:
+        store.put_bytes(Blocks().claim_name(r), b"{}", if_none_match=True)
+    w = BlockFlight(store, Blocks(), lease=LEASE, conditional=True, meta=counted, data=inline,
+                    upload=inline, counts=Counts(), node="w", origin_fetches=3)
+    origin = Origin()
+    async with trio.open_nursery() as nursery:
+        for r in refs:
+            nursery.start_soon(fill, w, r, origin)
+    assert origin.calls == 3  # each claim taken over once its lease ran out
+    assert calls["list_dir"] <= LEASE / LOOK_FRESH + 3
+    assert calls["head"] <= 3 * 3  # first look, landed-meanwhile, release
+    assert w.counts.polls >= 3 * LEASE / POLL_MAX  # while looking as often as before
+    # The claims were seen in the listing: none tried before the takeovers.
+    assert (calls["_put_claim"], w.counts.claims_lost) == (3, 3)
 
 
 async def test_a_failed_origin_fetch_releases_the_claim(
@@ -355,9 +560,9 @@ async def test_the_tier_leaves_small_objects_and_a_failing_store_to_the_origin(
     mock_clock.autojump_threshold = 0
     (tmp_path / "a-file").write_bytes(b"")
     gone = LocalStore(str(tmp_path / "a-file"))  # a root that is a file: every put fails
-    tier = SharedTier(gone, source="s3://models", block=BLOCK, lease=LEASE, conditional=True,
-                      secret=None, budget=MemoryBudget(1 << 30), meta=inline, data=inline,
-                      upload=inline)
+    tier = SharedTier(gone, source="s3://models", block=BLOCK, lease=LEASE, origin_fetches=1,
+                      conditional=True, secret=None, budget=MemoryBudget(1 << 30), meta=inline,
+                      data=inline, upload=inline)
     asked: list[Want] = []
 
     async def below(want: Want, sink: Sink) -> Got:

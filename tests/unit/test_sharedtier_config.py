@@ -30,22 +30,25 @@ access_key_id = "AKIDEXAMPLE"
 secret_access_key = "very-secret"
 block_size = "8M"
 lease = 12
+origin_fetches = 3
 """)
     args = parser().parse_args(["mount", "s3://models", str(tmp_path / "m"), "--config", str(path),
                                 "--shared-cache", "s3://nearer"])
     cfg = build_mount_config(args)
     assert (cfg.shared_cache, cfg.shared_endpoint_url) == ("s3://nearer", "http://cache:8333")
-    assert (cfg.shared_block_size, cfg.shared_lease) == (8 << 20, 12.0)
+    assert (cfg.shared_block_size, cfg.shared_lease, cfg.shared_origin_fetches) == (
+        8 << 20, 12.0, 3)
     assert "very-secret" not in repr(cfg) and "AKIDEXAMPLE" not in repr(cfg)
     plain = build_config(None, "s3://models", tmp_path / "m")
-    assert (plain.shared_cache, plain.shared_block_size, plain.shared_lease) == (
-        None, SHARED_BLOCK, SHARED_LEASE)
+    assert (plain.shared_cache, plain.shared_block_size, plain.shared_lease,
+            plain.shared_origin_fetches) == (None, SHARED_BLOCK, SHARED_LEASE, 1)
 
 
 @pytest.mark.parametrize(("text", "reason"), [
     ('[shared]\ncache = "file:///tmp/x"\n', "shared cache must be s3://BUCKET[/PREFIX]"),
     ('[shared]\ncach = "s3://near"\n', "unknown key 'cach' in [shared]"),
     ('[shared]\nlease = 0\n', "shared.lease: expected a positive number of seconds"),
+    ('[shared]\norigin_fetches = 0\n', "shared.origin_fetches: expected a positive integer"),
     ('[shared]\nendpoint_url = "cache:8333"\n', "must start with http:// or https://"),
 ])
 def test_bad_shared_settings_name_their_line(tmp_path: Path, text: str, reason: str) -> None:

@@ -3,9 +3,12 @@
 A node missing a block asks the shared tier; if the block is not there (or does
 not verify) it tries to claim it: a conditional create (`If-None-Match: *`) of a
 small claim object beside the block. The one node that creates it fetches the
-block from the origin, puts it, and deletes the claim. Every other node looks
-for the block with bounded backoff (50 ms doubling to 250 ms), at the claim
-about once a second, and:
+block from the origin, puts it, and deletes the claim. A node claims only while
+one of its few origin slots is free (slots.py), oldest fill first: a herd keeps
+a few blocks on the origin link at a time, and they land in the order they are
+read. Every other node looks for the block with bounded backoff (50 ms doubling
+to 250 ms), at the claim about once a second (after a first HEAD, through a
+listing of the object's blocks that the node's waiters share: looks.py), and:
 
 - takes the block as soon as it appears and verifies;
 - claims it itself if the claim disappears without a block (the claimer's
@@ -38,6 +41,7 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -45,6 +49,8 @@ from typing import Any
 import trio
 
 from tierfs.sharedtier.blocks import SUM_META, BlockRef, Blocks
+from tierfs.sharedtier.looks import Looks
+from tierfs.sharedtier.slots import Line, OriginSlots, Slot
 from tierfs.store.base import ObjectInfo, Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -58,6 +64,11 @@ POLL_FIRST = 0.05  # seconds before a waiter's first look for the block
 POLL_MAX = 0.25  # its longest pause: a block is taken at most this late
 POLL_GROWTH = 2.0
 CLAIM_EVERY = 1.0  # seconds between looks at the claim waited on (released? taken over?)
+# After its first look (a HEAD), a waiter looks through a listing of the
+# object's blocks and claims that its node's other waiters share (looks.py):
+# one that is at most this many seconds old.
+LOOK_FRESH = 0.15
+SHARED_GETS = 2  # blocks a node takes from the shared tier at once, oldest first (slots.py)
 # Wall-clock slack before a claim's Last-Modified alone (not this node's own
 # wait) counts as expired: clocks of nodes and store may differ this much.
 CLOCK_SKEW = 5.0
@@ -112,6 +123,7 @@ class BlockFlight:
         blocks: Blocks,
         *,
         lease: float,
+        origin_fetches: int,  # at once (slots.py); one more claimed, ready
         conditional: bool,
         meta: Runner,
         data: Runner,
@@ -129,40 +141,60 @@ class BlockFlight:
         self.counts = counts if counts is not None else Counts()
         self._now, self._wall = now, wall
         self.node = node or node_id()
+        self.slots = OriginSlots(origin_fetches)
+        self._gets = Line(SHARED_GETS)
+        self._looks = Looks(store, meta, fresh=LOOK_FRESH, now=now)
 
     async def fill(self, ref: BlockRef, buf: memoryview, origin: Origin) -> Outcome:
         """Fill `buf` (ref.length bytes) with block `ref`: from the shared tier if a
         verified copy is (or becomes) there, else from the origin. Raises what
         `origin` raises, or SharedError where the shared tier failed before the
         origin was asked (the caller then asks the origin itself)."""
+        ticket = self.slots.ticket()
+        try:
+            return await self._fill(ref, buf, origin, ticket)
+        finally:
+            self.slots.leave(ticket)
+            self._gets.leave(ticket)
+
+    async def _fill(self, ref: BlockRef, buf: memoryview, origin: Origin, ticket: int) -> Outcome:
         name, claim = self.blocks.name(ref), self.blocks.claim_name(ref)
         bad: tuple[str, str | None] | None = None  # a block object that did not verify
         waited_on: str | None = None  # ETag of the claim this node waits on
         seen: ObjectInfo | None = None  # that claim, as last looked at
         waiting_since = looked = 0.0
         pause = POLL_FIRST
+        missed = False
         while True:
-            info = await self._head(name)
+            info = await (self._landed(name, bad) if missed else self._head(name))
             if info is not None and _version(info) != bad:
-                if await self._take(ref, name, info, buf):
+                if await self._take(ref, name, info, buf, ticket):
                     return Outcome.HIT
                 bad = _version(info)
-            if waited_on is None:
+            if not missed:
+                missed = True
                 self.counts.misses += 1
             if not self.conditional:
                 return await self._fetch(ref, name, buf, origin, claim=None)
             now = self._now()
             if seen is None or now - looked >= CLAIM_EVERY or now - waiting_since >= self.lease:
-                # The claim is looked at now and then, not at every look for the block.
-                seen = None if waited_on is None else await self._head(claim)
-                if seen is None:
-                    held = await self._create_claim(claim)
-                    if held is not None:
-                        if await self._landed_meanwhile(ref, name, buf, bad):
-                            await self._release(claim, held)
-                            return Outcome.HIT
-                        return await self._fetch(ref, name, buf, origin, claim=held)
-                    seen = await self._head(claim)
+                # The claim is looked at now and then, not at every look for the block;
+                # one another node holds is seen in the listing: no claim tried on it.
+                seen = await self._listed(claim)
+                if seen is not None:
+                    self.slots.leave(ticket)  # waiting on that claim, not for a slot
+                else:
+                    slot = await self._slot(ticket, pause)
+                    if slot is None:
+                        pause = min(pause * POLL_GROWTH, POLL_MAX)
+                        continue
+                    try:
+                        done, seen = await self._claim(ref, name, claim, buf, origin, bad, slot,
+                                                       ticket)
+                    finally:
+                        slot.give()
+                    if done is not None:
+                        return done
                     if seen is None:  # released in between: look for the block again
                         continue
                 now = looked = self._now()
@@ -172,25 +204,74 @@ class BlockFlight:
                     waited_on, waiting_since = seen.etag, now
                 stale = self._wall() - seen.mtime > self.lease + CLOCK_SKEW
                 if stale or now - waiting_since >= self.lease:
-                    self.counts.claims_expired += 1
-                    held = await self._take_over(claim, seen.etag)
-                    if held is _REFUSED:  # no If-Match here: each waiter fetches for itself
-                        return await self._fetch(ref, name, buf, origin, claim=None)
-                    if held is not None:
-                        log.info("shared block %s: a claim made at %s UTC outlived its lease; "
-                                 "taken over", name,
-                                 time.strftime("%H:%M:%S", time.gmtime(seen.mtime)))
-                        return await self._fetch(ref, name, buf, origin, claim=held)
+                    slot = await self._slot(ticket, pause)
+                    if slot is None:
+                        pause = min(pause * POLL_GROWTH, POLL_MAX)
+                        continue
+                    try:
+                        done = await self._expired(ref, name, claim, seen, buf, origin, slot)
+                    finally:
+                        slot.give()
+                    if done is not None:
+                        return done
                     seen = None  # another waiter took it over: wait for that one
                     continue
             self.counts.polls += 1
             await trio.sleep(min(pause, waiting_since + self.lease - now))
             pause = min(pause * POLL_GROWTH, POLL_MAX)
 
+    async def _slot(self, ticket: int, pause: float) -> Slot | None:
+        """One of this node's origin slots for fill `ticket`; else None, once the
+        line has moved or `pause` seconds have passed (the block may have landed)."""
+        slot = self.slots.try_take(ticket)
+        if slot is None:
+            await self.slots.changed(pause)
+        return slot
+
+    async def _claim(
+        self, ref: BlockRef, name: str, claim: str, buf: memoryview, origin: Origin,
+        bad: tuple[str, str | None] | None, slot: Slot, ticket: int,
+    ) -> tuple[Outcome | None, ObjectInfo | None]:
+        """With `slot` taken: claim the block and fill it (its Outcome), or, where
+        another node holds the claim, that claim as it is now (None: released in
+        between)."""
+        held = await self._create_claim(claim)
+        if held is None:
+            return None, await self._head(claim)
+        if await self._landed_meanwhile(ref, name, buf, bad, ticket):
+            await self._release(claim, held)
+            return Outcome.HIT, None
+        return await self._fetch(ref, name, buf, origin, claim=held, slot=slot), None
+
+    async def _expired(
+        self, ref: BlockRef, name: str, claim: str, seen: ObjectInfo, buf: memoryview,
+        origin: Origin, slot: Slot,
+    ) -> Outcome | None:
+        """With `slot` taken: take over claim `seen`, which outlived its lease, and
+        fill the block; None where another waiter took it over first."""
+        self.counts.claims_expired += 1
+        held = await self._take_over(claim, seen.etag)
+        if held is _REFUSED:  # no If-Match here: each waiter fetches for itself
+            return await self._fetch(ref, name, buf, origin, claim=None, slot=slot)
+        if held is None:
+            return None
+        log.info("shared block %s: a claim made at %s UTC outlived its lease; taken over",
+                 name, time.strftime("%H:%M:%S", time.gmtime(seen.mtime)))
+        return await self._fetch(ref, name, buf, origin, claim=held, slot=slot)
+
     # -- steps -------------------------------------------------------------------
 
+    async def _landed(self, name: str, bad: tuple[str, str | None] | None) -> ObjectInfo | None:
+        """The block object, with its metadata, once a listing shows a put of it
+        other than the one that did not verify."""
+        listed = await self._listed(name)
+        if listed is None or (bad is not None and listed.etag == bad[0]):
+            return None
+        return await self._head(name)
+
     async def _landed_meanwhile(
-        self, ref: BlockRef, name: str, buf: memoryview, bad: tuple[str, str | None] | None
+        self, ref: BlockRef, name: str, buf: memoryview, bad: tuple[str, str | None] | None,
+        ticket: int,
     ) -> bool:
         """Whether the block landed between this node's look and its claim (its
         claimer put it, then released the claim): one more look saves an origin
@@ -198,21 +279,27 @@ class BlockFlight:
         try:
             info = await self._head(name)
             return info is not None and _version(info) != bad and await self._take(
-                ref, name, info, buf)
+                ref, name, info, buf, ticket)
         except SharedError:
             return False
 
-    async def _take(self, ref: BlockRef, name: str, info: ObjectInfo, buf: memoryview) -> bool:
-        """GET the block (pinned to the ETag just seen) into buf and verify it."""
+    async def _take(
+        self, ref: BlockRef, name: str, info: ObjectInfo, buf: memoryview, ticket: int
+    ) -> bool:
+        """GET the block (pinned to the ETag just seen) into buf and verify it, once
+        fill `ticket` is first in line for a GET."""
         if info.size != ref.length:
             ok = False
         else:
+            slot = await self._gets.take(ticket)
             try:
                 ok = await self._data(self._get_verified, ref, name, info, buf)
             except StoreError as exc:
                 if exc.kind in ("changed", "not_found"):
                     return False  # replaced or removed since the HEAD: look again
                 raise SharedError(exc) from exc
+            finally:
+                slot.give()
         if ok:
             self.counts.hits += 1
             self.counts.shared_bytes += ref.length
@@ -228,13 +315,17 @@ class BlockFlight:
         return n == ref.length and self.blocks.verifies(ref, view, info.metadata)
 
     async def _fetch(
-        self, ref: BlockRef, name: str, buf: memoryview, origin: Origin, *, claim: str | None
+        self, ref: BlockRef, name: str, buf: memoryview, origin: Origin, *, claim: str | None,
+        slot: Slot | None = None,
     ) -> Outcome:
-        """The block from the origin, put into the shared tier; `claim` (this node's
-        claim's ETag; None where the store has no conditional writes) released
-        whatever happens, so that nobody waits for a fetch that failed."""
+        """The block from the origin, put into the shared tier. `slot` (a claimed
+        block's) waits for one of the node's fetches and is given back as soon as
+        the origin is done with (the put does not use the link); `claim` (this
+        node's claim's ETag; None where the store has no conditional writes) is
+        released whatever happens, so that nobody waits for a fetch that failed."""
         try:
-            await self._from_origin(ref, buf, origin)
+            async with nullcontext() if slot is None else self.slots.fetching(slot):
+                await self._from_origin(ref, buf, origin)
             try:
                 await self._upload(self._put, ref, name, buf[: ref.length])
                 self.counts.puts += 1
@@ -304,6 +395,13 @@ class BlockFlight:
                 await self._meta(self.store.delete, claim)
         except (SharedError, StoreError) as exc:
             log.debug("releasing claim %s: %s", claim, exc)
+
+    async def _listed(self, name: str) -> ObjectInfo | None:
+        """`name` as a recent listing shows it (looks.py; no metadata)."""
+        try:
+            return await self._looks.find(name)
+        except StoreError as exc:
+            raise SharedError(exc) from exc
 
     async def _head(self, name: str) -> ObjectInfo | None:
         try:

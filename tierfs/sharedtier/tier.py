@@ -47,6 +47,7 @@ class SharedTier:
         prefix: str = "",
         block: int,
         lease: float,
+        origin_fetches: int,
         conditional: bool,
         secret: bytes | None,
         budget: MemoryBudget,
@@ -64,7 +65,8 @@ class SharedTier:
         self.counts = Counts()
         self.budget = budget
         self.flight = BlockFlight(store, self.blocks, lease=lease, conditional=conditional,
-                                  meta=meta, data=data, upload=upload, counts=self.counts)
+                                  meta=meta, data=data, upload=upload, counts=self.counts,
+                                  origin_fetches=origin_fetches)
         self._down_until = -1.0
         self._warned: set[str] = set()
 
