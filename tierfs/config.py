@@ -171,11 +171,14 @@ SHARED_BLOCK = PART_SIZE
 SHARED_LEASE = 30.0
 # Blocks a node fetches from the origin at once through the shared tier (with
 # one more claimed, ready to start: sharedtier/slots.py). A herd of N keeps N x
-# this many on the origin link, landing in the order they are read; a herd of 4
-# loading 1 GiB over a 400 Mbit/s link took 29.4 s with 1, 31.7 s with 2 (22.1-
-# 22.5 s alone; bench VM, 2 cores). A small herd whose origin link one stream
-# cannot fill wants more.
-SHARED_ORIGIN_FETCHES = 1
+# this many on the origin link, landing in the order they are read. Over one
+# narrow link the herd shares, fewer pace it better (bench/sharedtier.py, 4
+# nodes, 1 GiB over 400 Mbit/s: slowest node 1.36x one alone with 1, about
+# 1.6x with 4); but a node with its own link to an in-region store, or alone,
+# needs several streams to fill it (one S3 stream is ~100 MB/s), and the
+# herd's nodes each have one. 4 serves that case; set 1 for a herd behind
+# one narrow link.
+SHARED_ORIGIN_FETCHES = 4
 
 # Directories' attribute objects (namespace/dirattrs.py): this mount's changes of
 # one directory are written at most every DIR_ATTRS_DELAY seconds plus a second

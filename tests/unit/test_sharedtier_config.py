@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from tierfs.cli import build_mount_config, parser
-from tierfs.config import SHARED_BLOCK, SHARED_LEASE, ConfigError, build_config, load_config_file
+from tierfs.config import (
+    SHARED_BLOCK,
+    SHARED_LEASE,
+    SHARED_ORIGIN_FETCHES,
+    ConfigError,
+    build_config,
+    load_config_file,
+)
 from tierfs.sharedtier.setup import origin_of, read_secret
 
 
@@ -41,7 +48,7 @@ origin_fetches = 3
     assert "very-secret" not in repr(cfg) and "AKIDEXAMPLE" not in repr(cfg)
     plain = build_config(None, "s3://models", tmp_path / "m")
     assert (plain.shared_cache, plain.shared_block_size, plain.shared_lease,
-            plain.shared_origin_fetches) == (None, SHARED_BLOCK, SHARED_LEASE, 1)
+            plain.shared_origin_fetches) == (None, SHARED_BLOCK, SHARED_LEASE, SHARED_ORIGIN_FETCHES)
 
 
 @pytest.mark.parametrize(("text", "reason"), [
