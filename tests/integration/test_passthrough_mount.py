@@ -310,6 +310,10 @@ def test_without_passthrough_checked_bytes_are_answered_from_the_tier1_file(
     assert read_all(path) == obj  # cold: from the parts as they landed in memory
     all_released(m)
     drop_page_cache()  # the next reads reach the daemon
+    # Only pages in the page cache are lent (Serving.lend): read the tier-1 file in.
+    tier1 = [p for p in m.cache_dir.rglob("*") if p.is_file() and p.stat().st_size == len(obj)]
+    assert len(tier1) == 1
+    assert tier1[0].read_bytes() == obj
     assert read_all(path) == obj  # from tier 1, checked when fetched
     st = m.status()["passthrough"]
     assert st["splice"] is (mode == "on")

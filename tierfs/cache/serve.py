@@ -276,8 +276,12 @@ class Serving:
         with e._mu:
             if e._state != CLEAN or e._fd < 0 or any(s != VERIFIED for s in e.map.states[lo : hi + 1]):
                 return None
-            # Under the lock: once unlocked, the entry may close its fd (and the
-            # number be reused); the duplicate outlives that. Not disk I/O.
+            # Under the lock (neither call is disk I/O): once unlocked, the entry may
+            # close its fd and the number be reused; the duplicate outlives that.
+            # (Pages that leave the cache between this check and the splice are read
+            # from the device on the trio thread: rare, as they were just there.)
+            if not resident(e._fd, offset, length):
+                return None
             dup = os.dup(e._fd)
             e.map.pin(lo, hi)
 
@@ -289,14 +293,7 @@ class Serving:
                 with e._mu:
                     e.map.unpin(lo, hi)
 
-        # (Pages that leave the cache between this check and the splice are read
-        # from the device on the trio thread: rare, as they were just there.)
-        if resident(dup, offset, length):
-            return dup, done
-        os.close(dup)
-        with e._mu:
-            e.map.unpin(lo, hi)
-        return None
+        return dup, done
 
     def will_need(self) -> None:
         """Have the device start reading the whole file (readahead), not waiting: a

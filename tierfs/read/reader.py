@@ -224,15 +224,11 @@ class Reader:
         return True
 
     def _lend(self, entry: Entry, off: int, end: int, window: int) -> memoryview | FileRange | None:
-        """A big read answered without copying: from the landed part holding it (a
-        view, see LandedParts.view), or from the tier-1 file if every chunk of it
-        was checked (None: it must be read and verified first)."""
-        part = self._landed.pin(entry, off, end)
-        if part is not None:
-            staged = part.staged  # read before view unpins it
-            view = self._landed.view(part, off, end)
-            if window and staged:
-                self._stage(entry, end, min(end + window, entry.size))
+        """A big read answered without copying: from the landed part holding it, or
+        from the tier-1 file if every chunk of it was checked and is in the page
+        cache (None: it must be read, and verified where not checked yet)."""
+        view = self._from_landed(entry, off, end, window)
+        if view is not None:
             return view
         lent = entry.serve.lend(off, end - off) if self.lend else None
         if lent is None:
@@ -240,9 +236,20 @@ class Reader:
         self.lent += 1
         return FileRange(lent[0], off, end - off, lent[1])
 
+    def _from_landed(self, entry: Entry, off: int, end: int, window: int) -> memoryview | None:
+        """A view of the landed part holding [off, end) (LandedParts.view), if any."""
+        part = self._landed.pin(entry, off, end)
+        if part is None:
+            return None
+        staged = part.staged  # read before view unpins it
+        view = self._landed.view(part, off, end)
+        if window and staged:
+            self._stage(entry, end, min(end + window, entry.size))
+        return view
+
     async def _serve(
         self, entry: Entry, off: int, end: int, buf: memoryview | None, *, window: int, fetched: bool
-    ) -> Served:
+    ) -> bytes | memoryview:
         """One attempt at answering [off, end): a small read from tier 1's pages, a
         big one (into `buf`) from tier 1, verifying what this process has not
         checked yet."""
@@ -256,9 +263,9 @@ class Reader:
             return await self.workers.disk(entry.serve.read_pages, off, end - off)
         # Waiting for `buf` let other tasks run: the bytes may have landed meanwhile
         # (with several cold streams, memory is short and that wait is common).
-        lent = self._lend(entry, off, end, window)
-        if lent is not None:
-            return lent
+        view = self._from_landed(entry, off, end, window)
+        if view is not None:
+            return view
         data = await self.workers.disk(entry.serve.read_aligned, off, end - off, buf)
         if window and not fetched:
             # A sequential reader of tier 1 (not of bytes that just landed from the
