@@ -21,8 +21,9 @@ Locking, two locks per entry:
   chunks out, the index updates of a store, detaching, the last release. The
   loop never takes it. Such a change marks its state under `_mu`, does its I/O
   with `_mu` released, and publishes the result under `_mu`. Checksums a seal
-  left to take (`LocalCopy.take_digests`) are read with neither lock held and
-  committed under `_io` if that seal still stands.
+  left to take (`LocalCopy.take_digests`) are hashed from a mapping of the
+  file under `_io`, a step of a few chunks at a time (a shrink under a mapping
+  is SIGBUS).
 Reads and stores pin their chunks under `_mu`, so eviction never punches a
 hole under a pread/pwrite; chunks being punched are held back from new stores
 (`ChunkMap.discarding`). Lock order: `_io`, an LMDB write transaction, `_mu`,
