@@ -424,6 +424,8 @@ class MountConfig:
     shared_block_size: int = SHARED_BLOCK
     shared_lease: float = SHARED_LEASE
     shared_origin_fetches: int = SHARED_ORIGIN_FETCHES
+    # A loader's next shard fetched (its blocks claimed) ahead of its open (read/prefetch.py).
+    shared_claim_ahead: bool = True
 
     rules: tuple[tuple[str, str], ...] = DEFAULT_RULES
     classes: dict[str, ClassSettings] = field(default_factory=lambda: dict(DEFAULT_CLASSES))
@@ -688,6 +690,7 @@ _KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
     ("shared", "block_size"): ("shared_block_size", _want_pos_size),
     ("shared", "lease"): ("shared_lease", _want_finite_seconds),
     ("shared", "origin_fetches"): ("shared_origin_fetches", _want_pos_int),
+    ("shared", "claim_ahead"): ("shared_claim_ahead", _want_bool),
     ("metrics", "addr"): ("metrics_addr", _want_str),
     ("metrics", "allow_remote"): ("metrics_allow_remote", _want_bool),
     ("logging", "level"): ("log_level", _want_level),

@@ -69,6 +69,7 @@ from tierfs.read.prefetch import WholePrefetch
 from tierfs.read.prepared import PreparedOpens
 from tierfs.read.reader import SERVE_BUFFER, Reader
 from tierfs.read.releases import Releases
+from tierfs.read.shards import next_file_in
 from tierfs.read.sources import Source, StoreSource
 from tierfs.read.walkahead import WalkAhead
 from tierfs.read.walks import Walks
@@ -200,8 +201,15 @@ async def build(p: Prepared, nursery: trio.Nursery, stop: trio.Event) -> Parts:
         # Whole-object model prefetch leaves one GET slot to demand reads
         # elsewhere. Half the slots (2 of 4) made a cold 1 GiB safetensors
         # load_file 3.44 s, 3 of 4 3.01 s (medians of 4 alternating runs).
-        prefetch=WholePrefetch(fetcher, cache, workers, nursery, parallel=max(1, data_slots - 1),
-                               globs=cfg.prefetch_globs, min_size=cfg.prefetch_min_size),
+        # Through a shared tier, the next shard of a model is fetched ahead
+        # (read/prefetch.py), with no more parts in flight than the node has
+        # origin slots until its reader opens it.
+        prefetch=WholePrefetch(
+            fetcher, cache, workers, nursery, parallel=max(1, data_slots - 1),
+            globs=cfg.prefetch_globs, min_size=cfg.prefetch_min_size,
+            next_file=(next_file_in(ns.children_of, ns.stored_file)
+                       if shared is not None and cfg.shared_claim_ahead else None),
+            ahead_parallel=cfg.shared_origin_fetches + 1),
         observe_latency=metrics.read_latency, queued=queued, refresh=ns.refresh)
 
     # The write path; what becomes of written files is the namespace's to show.

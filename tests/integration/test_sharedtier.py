@@ -11,6 +11,7 @@ the point (a takeover that happens once among several waiters), 2 waiters."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -54,9 +55,9 @@ def model(s3_server: SeaweedServer, bucket: str) -> bytes:
     return data
 
 
-def config(tmp_path: Path, lease: float) -> Path:
-    path = tmp_path / f"shared-{lease:g}.toml"
-    path.write_text(f'[shared]\nblock_size = "{BLOCK >> 20}M"\nlease = {lease}\n')
+def config(tmp_path: Path, lease: float, extra: str = "") -> Path:
+    path = tmp_path / f"shared-{lease:g}-{len(extra)}.toml"
+    path.write_text(f'[shared]\nblock_size = "{BLOCK >> 20}M"\nlease = {lease}\n{extra}')
     return path
 
 
@@ -71,9 +72,9 @@ def nodes(mount_factory: MountFactory, bucket: str, shared_bucket: str, tmp_path
     default the same server), started at once (a daemon's start is mostly waits)."""
 
     def make(n: int, endpoint: str | None = None, origin: str | None = None,
-             lease: float = LEASE) -> list[TierfsMount]:
+             lease: float = LEASE, extra: str = "") -> list[TierfsMount]:
         env = None if origin is None else {**s3_server.env(), "AWS_ENDPOINT_URL": origin}
-        ms = [mount_factory(f"s3://{bucket}", "--config", str(config(tmp_path, lease)),
+        ms = [mount_factory(f"s3://{bucket}", "--config", str(config(tmp_path, lease, extra)),
                             "--shared-cache", f"s3://{shared_bucket}/fleet",
                             "--shared-endpoint-url", endpoint or s3_server.endpoint,
                             env=env, start=False) for _ in range(n)]
@@ -237,3 +238,38 @@ def test_without_conditional_writes_every_node_fetches_for_itself(
     late = node(no_conditional_writes.endpoint)  # what they put serves a later node
     assert (late.mountpoint / KEY).read_bytes() == model
     assert origin_bytes(late) == 0
+
+
+SHARDS = [f"models/llm/model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+
+
+def test_the_next_shard_is_claimed_and_put_ahead_of_its_open(
+    nodes: Nodes, node: Node, s3_server: SeaweedServer, bucket: str, shared_bucket: str,
+) -> None:
+    """A node reading the first shard of a model (whole-object prefetch on: small
+    files count as model-like here) fetches the second through the shared tier
+    before anyone opens it: its blocks land in the shared tier, each fetched from
+    the origin once; the second shard's read then costs the origin nothing, and a
+    later node takes the whole model from the shared tier."""
+    client = s3_server.client()
+    shards = {key: os.urandom(SIZE) for key in SHARDS}
+    for key, data in shards.items():
+        client.put_object(Bucket=bucket, Key=key, Body=data)
+    extra = '[read]\nprefetch_min_size = "1M"\n'
+    [first] = nodes(1, extra=extra)
+    assert (first.mountpoint / SHARDS[0]).read_bytes() == shards[SHARDS[0]]
+
+    def blocks_of(key: str) -> list[str]:  # block names hold a hash of the key (blocks.py)
+        digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+        return [k for k in shared_keys(s3_server, shared_bucket)
+                if not k.endswith(".claim") and f"/{digest}/" in k]
+
+    # Both shards' blocks, the second's though nobody opened it.
+    wait_for(lambda: len(blocks_of(SHARDS[1])) == BLOCKS, "the second shard's blocks")
+    assert len(blocks_of(SHARDS[0])) == BLOCKS
+    wait_for(lambda: origin_bytes(first) >= 2 * SIZE, "the second shard fetched")
+    assert (first.mountpoint / SHARDS[1]).read_bytes() == shards[SHARDS[1]]
+    assert origin_bytes(first) == 2 * SIZE  # each block once, the second shard's too
+    later = node(extra=extra)
+    assert [(later.mountpoint / k).read_bytes() == d for k, d in shards.items()] == [True, True]
+    assert origin_bytes(later) == 0

@@ -7,7 +7,7 @@ block from the origin, puts it, and deletes the claim. A node claims only while
 one of its few origin slots is free (slots.py), oldest fill first: a herd keeps
 a few blocks on the origin link at a time, and they land in the order they are
 read. Every other node looks for the block with bounded backoff (50 ms doubling
-to 250 ms), at the claim about once a second (after a first HEAD, through a
+to 500 ms), at the claim about once a second (after a first HEAD, through a
 listing of the object's blocks that the node's waiters share: looks.py), and:
 
 - takes the block as soon as it appears and verifies;
@@ -61,13 +61,17 @@ Runner = Callable[..., Awaitable[Any]]
 Origin = Callable[[memoryview], Awaitable[int]]
 
 POLL_FIRST = 0.05  # seconds before a waiter's first look for the block
-POLL_MAX = 0.25  # its longest pause: a block is taken at most this late
+POLL_MAX = 0.5  # its longest pause: a block is taken at most this late
 POLL_GROWTH = 2.0
 CLAIM_EVERY = 1.0  # seconds between looks at the claim waited on (released? taken over?)
 # After its first look (a HEAD), a waiter looks through a listing of the
 # object's blocks and claims that its node's other waiters share (looks.py):
-# one that is at most this many seconds old.
-LOOK_FRESH = 0.15
+# one that is at most this many seconds old. With the next shard claimed ahead
+# (read/prefetch.py) blocks mostly land before their reader needs them, and a
+# herd on two cores spent its CPU on the looks: 0.5 s (and POLL_MAX 0.5) instead
+# of 0.15 (0.25) cut the shared store's CPU 23 -> 21 s and each daemon's about
+# 8 -> 7 s per herd (bench/sharedtier.py, 4 nodes, 1 GiB, one run each).
+LOOK_FRESH = 0.5
 SHARED_GETS = 2  # blocks a node takes from the shared tier at once, oldest first (slots.py)
 # Wall-clock slack before a claim's Last-Modified alone (not this node's own
 # wait) counts as expired: clocks of nodes and store may differ this much.
@@ -92,7 +96,7 @@ class Counts:
     corrupt: int = 0  # block objects that failed verification: never served
     claims_won: int = 0
     claims_lost: int = 0  # another node held the claim: this one waited
-    claims_expired: int = 0  # waits that ran out the lease (or found a stale claim)
+    claims_expired: int = 0  # claims taken over: their lease ran out (or they were stale)
     own_fetches: int = 0  # origin fetches without a claim (no conditional writes)
     puts: int = 0
     put_failures: int = 0
@@ -214,7 +218,10 @@ class BlockFlight:
                         slot.give()
                     if done is not None:
                         return done
-                    seen = None  # another waiter took it over: wait for that one
+                    # Another waiter took it over: wait for that one, whose claim the
+                    # listing that showed the old one does not show yet.
+                    self._looks.forget(claim)
+                    seen = None
                     continue
             self.counts.polls += 1
             await trio.sleep(min(pause, waiting_since + self.lease - now))
@@ -249,12 +256,12 @@ class BlockFlight:
     ) -> Outcome | None:
         """With `slot` taken: take over claim `seen`, which outlived its lease, and
         fill the block; None where another waiter took it over first."""
-        self.counts.claims_expired += 1
         held = await self._take_over(claim, seen.etag)
+        if held is None:
+            return None  # another waiter took it over first: not counted twice
+        self.counts.claims_expired += 1
         if held is _REFUSED:  # no If-Match here: each waiter fetches for itself
             return await self._fetch(ref, name, buf, origin, claim=None, slot=slot)
-        if held is None:
-            return None
         log.info("shared block %s: a claim made at %s UTC outlived its lease; taken over",
                  name, time.strftime("%H:%M:%S", time.gmtime(seen.mtime)))
         return await self._fetch(ref, name, buf, origin, claim=held, slot=slot)

@@ -35,6 +35,11 @@ class Looks:
         folder = key.rsplit("/", 1)[0] + "/"
         return (await self._listing(folder)).get(key)
 
+    def forget(self, key: str) -> None:
+        """What the last listing of `key`'s folder showed is known out of date (a
+        claim in it was replaced): the next look lists again."""
+        self._seen.pop(key.rsplit("/", 1)[0] + "/", None)
+
     async def _listing(self, folder: str) -> dict[str, ObjectInfo]:
         while True:
             seen = self._seen.get(folder)
