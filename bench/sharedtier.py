@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from botocore.exceptions import ClientError
 from common import BUCKET, Bench, GiB, MiB, drop_caches, median, parse_args, report
 from safetensors.numpy import load_file, save_file
 
@@ -428,7 +429,13 @@ def one_run(run: int, b: Bench, herd: Herd, sc: Any, proxy: FaultProxy, tc_sent:
     # a corrupt block: overwritten by boto3, its metadata kept
     key, bsize = blocks[len(blocks) // 2]
     meta = sc.head_object(Bucket=SHARED_BUCKET, Key=key)["Metadata"]
-    sc.put_object(Bucket=SHARED_BUCKET, Key=key, Body=os.urandom(bsize), Metadata=meta)
+    for attempt in range(5):  # SeaweedFS under a herd's load answered one PUT InternalError
+        try:
+            sc.put_object(Bucket=SHARED_BUCKET, Key=key, Body=os.urandom(bsize), Metadata=meta)
+            break
+        except ClientError as exc:
+            if attempt == 4 or exc.response.get("Error", {}).get("Code") != "InternalError":
+                raise
     mc = herd.mount(prefix)
     drop_caches()
     load_together([herd.paths(mc)])
