@@ -5,11 +5,15 @@ eviction must not punch while the kernel reads the file itself."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import xxhash
 
 from tierfs.cache import Cache, Entry
+from tierfs.cache import local as local_module
+from tierfs.cache.fileio import file_digests
 from tierfs.cache.local import HASH_LATER
 
 CS = 4096
@@ -187,6 +191,33 @@ def test_a_seal_of_bytes_the_kernel_wrote_takes_their_checksums_later(tmp_path: 
     e = c.open_existing("big")
     assert e is not None and e.serve.verify() == [] and not e.local.unhashed
     assert e.local.chunk_sums() == expected
+    c.release(e)
+    c.close()
+
+
+def test_checksums_left_to_take_are_hashed_with_the_file_held_from_shrinking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`take_digests` hashes a mapping of the file; a truncate under a mapping is
+    SIGBUS (a dead daemon), so every step holds `_io`, which every shrink holds.
+    The race itself cannot be produced on demand: the hash is wrapped to look at
+    the lock while it reads, and a truncate after the steps finds nothing to take."""
+    data = os.urandom(HASH_LATER + 5 * CS + 3)
+    c = new_cache(tmp_path / "c")
+    e = _written_by_the_kernel(c, "big", data)
+    e.local.seal(durable=False)
+    steps: list[bool] = []
+
+    def watched(fd: int, start: int, end: int, chunk_size: int) -> Iterator[bytes]:
+        for d in file_digests(fd, start, end, chunk_size):
+            steps.append(e._io.locked())
+            yield d
+
+    monkeypatch.setattr(local_module, "file_digests", watched)
+    assert not e.local.take_digests(limit=7)
+    assert steps == [True] * 7
+    e.local.truncate(3 * CS)  # dirty again: the seal's checksums left to take are void
+    assert not e.local.unhashed and e.local.take_digests() and len(steps) == 7
     c.release(e)
     c.close()
 
