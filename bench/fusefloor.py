@@ -123,6 +123,8 @@ def main() -> None:
         size = int(a.size[:-1]) * units[a.size[-1].upper()] if a.size[-1].isalpha() else int(a.size)
     except (KeyError, ValueError):
         raise SystemExit(f"fusefloor: bad --size {a.size!r} (e.g. 512M, 1G)") from None
+    if size <= 0 or a.runs < 1:
+        raise SystemExit("fusefloor: --size and --runs must be positive")
     res = measure(size, a.runs)
     per = sorted(r["python"] for r in res)
     print(f"median Python-thread CPU per GiB of a minimal pyfuse3 daemon: {per[len(per) // 2]:.2f} "
