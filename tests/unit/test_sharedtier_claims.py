@@ -601,10 +601,10 @@ def counted_node(store: LocalStore, name: str, calls: Counter[str]) -> BlockFlig
                        upload=run, counts=Counts(), node=name, origin_fetches=2)
 
 
-async def test_a_block_there_costs_one_get_and_no_head(
+async def test_a_block_there_costs_a_listing_and_one_get(
     store: LocalStore, mock_clock: trio.testing.MockClock
 ) -> None:
-    """A node that finds its block takes it with the GET alone: the checksum comes
+    """A node that finds its block listed takes it with one GET: the checksum comes
     with the GET's answer; a HEAD before it would double the store's requests."""
     mock_clock.autojump_threshold = 0
     origin = Origin()
@@ -613,15 +613,15 @@ async def test_a_block_there_costs_one_get_and_no_head(
     calls: Counter[str] = Counter()
     b = counted_node(store, "b", calls)
     assert await fill(b, r, origin) == (Outcome.HIT, want(r), 0.0)
-    assert calls == Counter({"_get_verified": 1})
+    assert calls == Counter({"list_dir": 1, "_get_verified": 1})
 
 
 async def test_a_waiter_takes_a_landed_block_from_a_listing_and_one_get(
     store: LocalStore, mock_clock: trio.testing.MockClock
 ) -> None:
-    """A waiter's first look is a GET (404); it then looks through listings, and
-    takes the block a listing shows with one GET pinned to the listed ETag: no
-    HEAD at all. The claimer, whose claim is young, deletes it without a look."""
+    """A waiter looks through listings, and takes the block a listing shows with
+    one GET pinned to the listed ETag: no HEAD, no GET of a block not there. The
+    claimer, whose claim is young, deletes it without a look."""
     mock_clock.autojump_threshold = 0
     origin = Origin()
     r = ref(0)
@@ -641,12 +641,12 @@ async def test_a_waiter_takes_a_landed_block_from_a_listing_and_one_get(
                                                     (Outcome.HIT, want(r)))
     assert (origin.calls, b.counts.claims_lost) == (1, 1)
     assert cb["head"] == 0
-    assert cb["_get_verified"] == 2  # the first look (404), then the block
+    assert cb["_get_verified"] == 1  # the block
     assert cb["list_dir"] >= 1
-    # The claimer: a GET (404) for a first look, one for the look after its claim,
-    # the claim, the put and the DELETE of its claim, without a HEAD before it.
+    # The claimer: a GET (404) for the look after its claim, the claim, the put
+    # and the DELETE of its claim, without a HEAD before it.
     assert ca["head"] == 0
-    assert (ca["_get_verified"], ca["_put_claim"], ca["_put"], ca["delete"]) == (2, 1, 1, 1)
+    assert (ca["_get_verified"], ca["_put_claim"], ca["_put"], ca["delete"]) == (1, 1, 1, 1)
     assert not exists(store, claim_of(store, r))
 
 
@@ -682,3 +682,35 @@ async def test_a_claim_held_past_half_its_lease_is_looked_at_before_it_is_delete
     assert bytes(buf) == want(r)
     assert (b.counts.claims_expired, calls["head"], calls["delete"]) == (1, 1, 0)
     assert store.head(claim).etag == other[0]  # not a's to delete
+
+
+async def test_fills_of_blocks_not_there_share_their_first_look(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """In a herd nearly every fill starts before its block lands: a fill's first
+    look is the listing its node's fills of the object share, not a request of
+    its own (a GET or HEAD per fill, each a 404)."""
+    mock_clock.autojump_threshold = 0
+    refs = [ref(i) for i in range(3)]
+    a = node(store, "a", fetches=3)
+    calls: Counter[str] = Counter()
+    b = counted_node(store, "b", calls)
+    origin = Origin()
+    async with trio.open_nursery() as nursery:
+        for r in refs:
+            nursery.start_soon(fill, a, r, origin)
+        await trio.sleep(0.01)  # a's claims made, its fetches under way
+        looked = trio.Event()
+
+        async def fills_of_b() -> None:
+            async with trio.open_nursery() as inner:
+                for r in refs:
+                    inner.start_soon(fill, b, r, origin)
+                await trio.sleep(0)
+                looked.set()
+
+        nursery.start_soon(fills_of_b)
+        await looked.wait()
+        assert calls == Counter({"list_dir": 1})  # one look for the three fills
+    assert origin.calls == 3
+    assert (b.counts.hits, calls["_get_verified"], calls["head"]) == (3, 3, 0)

@@ -7,13 +7,13 @@ block from the origin, puts it, and deletes the claim. A node claims only while
 one of its few origin slots is free (slots.py), oldest fill first: a herd keeps
 a few blocks on the origin link at a time, and they land in the order they are
 read. Every other node looks for the block with bounded backoff (50 ms doubling
-to 500 ms), at the claim about once a second (after a first look, through a
-listing of the object's blocks that the node's waiters share: looks.py), and:
+to 500 ms), at the claim about once a second, all through a listing of the
+object's blocks that the node's fills share (looks.py; a first look included:
+in a herd nearly every fill starts before its block lands, and a GET or HEAD
+of each was a 404 per fill), and:
 
-- takes the block as soon as it appears and verifies: a GET, whose answer
-  carries the checksum (no HEAD first: the first look is that GET, a missing
-  block's 404 costing the store what a HEAD's would; a block a listing shows
-  is GET pinned to the listed ETag);
+- takes the block as soon as it appears and verifies: a GET pinned to the
+  listed ETag, whose answer carries the checksum (no HEAD first);
 - claims it itself if the claim disappears without a block (the claimer's
   origin fetch failed: it deletes its claim so nobody waits for nothing);
 - takes the claim over once it has waited `lease` seconds on it (counted on
@@ -70,9 +70,8 @@ POLL_FIRST = 0.05  # seconds before a waiter's first look for the block
 POLL_MAX = 0.5  # its longest pause: a block is taken at most this late
 POLL_GROWTH = 2.0
 CLAIM_EVERY = 1.0  # seconds between looks at the claim waited on (released? taken over?)
-# After its first look (a GET), a waiter looks through a listing of the
-# object's blocks and claims that its node's other waiters share (looks.py):
-# one that is at most this many seconds old. With the next shard claimed ahead
+# A fill looks through a listing of the object's blocks and claims that its
+# node's other fills share (looks.py): one that is at most this many seconds old. With the next shard claimed ahead
 # (read/prefetch.py) blocks mostly land before their reader needs them, and a
 # herd on two cores spent its CPU on the looks: 0.5 s (and POLL_MAX 0.5) instead
 # of 0.15 (0.25) cut the shared store's CPU 23 -> 21 s and each daemon's about
@@ -176,10 +175,10 @@ class BlockFlight:
         pause = POLL_FIRST
         missed = False
         while True:
-            # The first look is the GET itself (a missing block's 404 costs the store
-            # what a HEAD's does); later ones GET a put that a listing shows.
-            listed = await self._landed(name, bad) if missed else None
-            if listed is not None or not missed:
+            # Every look, the first included, is through a listing its node's fills
+            # of the object share: a block missing costs no request of its own.
+            listed = await self._landed(name, bad)
+            if listed is not None:
                 taken = await self._take(ref, name, listed, buf, ticket)
                 if taken is True:
                     return Outcome.HIT
