@@ -195,6 +195,35 @@ def origin_bytes(mounts: list[TierfsMount]) -> float:
     return sum(m.metric("tierfs_store_bytes_total{op=get}") for m in mounts)
 
 
+def cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system, its waited-for children included) of process `pid`."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def shared_requests(mounts: list[TierfsMount]) -> list[dict[str, float]]:
+    """Each mount's shared-tier requests by op (and status where not ok), and its
+    shared-tier counters (block puts, polls)."""
+    out = []
+    for m in mounts:
+        metrics = m.status()["metrics"]
+        got: dict[str, float] = {}
+        for k, v in metrics.items():
+            r = re.match(r"tierfs_store_requests_total\{op=shared_(\w+),status=(\w+)\}", k)
+            if r:
+                op = r[1] if r[2] == "ok" else f"{r[1]}:{r[2]}"
+                got[op] = got.get(op, 0.0) + v
+        for c in ("puts", "claims_won", "claims_lost", "hits", "misses"):
+            got[f"n_{c}"] = metrics.get(f"tierfs_shared_{c}_total", 0.0)
+        out.append(got)
+    return out
+
+
 def claims(mounts: list[TierfsMount], what: str) -> float:
     return sum(m.metric(f"tierfs_shared_claims_{what}_total") for m in mounts)
 
@@ -300,6 +329,7 @@ def main() -> None:
         res: dict[str, list[float]] = {k: [] for k in (
             "alone_s", "herd_slowest_s", "herd_vs_alone", "herd_origin_gib", "herd_tc_origin_gib",
             "herd_claims_won", "herd_claims_lost", "herd_claims_expired",
+            "herd_shared_store_cpu_s", "herd_daemon_cpu_s",
             "today_boto_s", "herd_vs_today", "today_tc_origin_gib",
             "fifth_s", "fifth_origin_bytes", "fifth_boto_s", "fifth_vs_boto", "herd_boto_s",
             "herd_vs_bound",
@@ -383,7 +413,24 @@ def one_run(run: int, b: Bench, herd: Herd, sc: Any, proxy: FaultProxy, tc_sent:
     ms = [herd.mount(prefix) for _ in range(n)]
     drop_caches()
     before = tc_sent()
+    assert herd.shared.proc is not None and b.server.proc is not None
+    cpu0 = (cpu_s(herd.shared.proc.pid), cpu_s(b.server.proc.pid), *map(cpu_s, [m.pid for m in ms]))
     walls, errors = load_together([herd.paths(m) for m in ms])
+    cpu1 = (cpu_s(herd.shared.proc.pid), cpu_s(b.server.proc.pid), *map(cpu_s, [m.pid for m in ms]))
+    cpu = [round(y - x, 1) for x, y in zip(cpu0, cpu1, strict=True)]
+    reqs = shared_requests(ms)
+    total: dict[str, float] = {}
+    for r in reqs:
+        for k, v in r.items():
+            total[k] = total.get(k, 0.0) + v
+    print(f"run {run}: herd cpu s: shared store {cpu[0]}, origin {cpu[1]}, daemons {cpu[2:]}; "
+          f"load {os.getloadavg()}", flush=True)
+    for i, r in enumerate(reqs):
+        print(f"run {run}: node {i} shared requests {json.dumps(dict(sorted(r.items())))}",
+              flush=True)
+    print(f"run {run}: herd shared requests {json.dumps(dict(sorted(total.items())))}", flush=True)
+    res["herd_shared_store_cpu_s"].append(cpu[0])
+    res["herd_daemon_cpu_s"].append(sum(cpu[2:]))
     res["herd_tc_origin_gib"].append((tc_sent() - before) / GiB)
     res["herd_slowest_s"].append(max(walls.values()))
     res["herd_vs_alone"].append(res["herd_slowest_s"][-1] / res["alone_s"][-1])

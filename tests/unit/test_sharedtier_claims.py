@@ -585,3 +585,132 @@ async def test_the_tier_leaves_small_objects_and_a_failing_store_to_the_origin(
     assert await tier.fetch(block, out, below) == Got("e")
     assert bytes(out.buffer()) == DATA[BLOCK : 2 * BLOCK]
     assert (tier.counts.errors, asked) == (1, [block])
+
+
+def counting(calls: Counter[str]) -> Callable[..., Any]:
+    async def counted(fn: Callable[..., Any], *args: Any) -> Any:
+        calls[fn.__name__] += 1
+        return fn(*args)
+
+    return counted
+
+
+def counted_node(store: LocalStore, name: str, calls: Counter[str]) -> BlockFlight:
+    run = counting(calls)
+    return BlockFlight(store, Blocks(), lease=LEASE, conditional=True, meta=run, data=run,
+                       upload=run, counts=Counts(), node=name, origin_fetches=2)
+
+
+async def test_a_block_there_costs_a_listing_and_one_get(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """A node that finds its block listed takes it with one GET: the checksum comes
+    with the GET's answer; a HEAD before it would double the store's requests."""
+    mock_clock.autojump_threshold = 0
+    origin = Origin()
+    r = ref(1)
+    assert (await fill(node(store, "a"), r, origin))[0] == Outcome.FILLED
+    calls: Counter[str] = Counter()
+    b = counted_node(store, "b", calls)
+    assert await fill(b, r, origin) == (Outcome.HIT, want(r), 0.0)
+    assert calls == Counter({"list_dir": 1, "_get_verified": 1})
+
+
+async def test_a_waiter_takes_a_landed_block_from_a_listing_and_one_get(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """A waiter looks through listings, and takes the block a listing shows with
+    one GET pinned to the listed ETag: no HEAD, no GET of a block not there. The
+    claimer, whose claim is young, deletes it without a look."""
+    mock_clock.autojump_threshold = 0
+    origin = Origin()
+    r = ref(0)
+    ca: Counter[str] = Counter()
+    cb: Counter[str] = Counter()
+    a, b = counted_node(store, "a", ca), counted_node(store, "b", cb)
+    results: dict[str, tuple[Outcome, bytes, float]] = {}
+
+    async def one(n: BlockFlight, delay: float) -> None:
+        await trio.sleep(delay)
+        results[n.node] = await fill(n, r, origin)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one, a, 0.0)
+        nursery.start_soon(one, b, 0.1)
+    assert (results["a"][:2], results["b"][:2]) == ((Outcome.FILLED, want(r)),
+                                                    (Outcome.HIT, want(r)))
+    assert (origin.calls, b.counts.claims_lost) == (1, 1)
+    assert cb["head"] == 0
+    assert cb["_get_verified"] == 1  # the block
+    assert cb["list_dir"] >= 1
+    # The claimer: a GET (404) for the look after its claim, the claim, the put
+    # and the DELETE of its claim, without a HEAD before it.
+    assert ca["head"] == 0
+    assert (ca["_get_verified"], ca["_put_claim"], ca["_put"], ca["delete"]) == (1, 1, 1, 1)
+    assert not exists(store, claim_of(store, r))
+
+
+async def test_a_claim_held_past_half_its_lease_is_looked_at_before_it_is_deleted(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """A claimer whose fetch outlived its lease was taken over: its release must not
+    delete a claim that is no longer its own (others wait on that one). A HEAD
+    first tells; the claim it finds is another's, and stays."""
+    mock_clock.autojump_threshold = 0
+    r = ref(0)
+    blocks = Blocks()
+    claim = blocks.claim_name(r)
+    real = Origin().at(r.start)
+
+    async def slow(view: memoryview) -> int:
+        await trio.sleep(LEASE * 1.5)
+        return int(await real(view))
+
+    calls: Counter[str] = Counter()
+    a, b = counted_node(store, "a", calls), node(store, "b")
+    other: list[str] = []
+
+    async def waiter_then_another_claim() -> None:
+        await trio.sleep(0.1)
+        await fill(b, r, Origin())  # took a's claim over, put the block, released
+        other.append(store.put_bytes(claim, b"{}", if_none_match=True).etag)
+
+    buf = memoryview(bytearray(r.length))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter_then_another_claim)
+        assert await a.fill(r, buf, slow) == Outcome.FILLED
+    assert bytes(buf) == want(r)
+    assert (b.counts.claims_expired, calls["head"], calls["delete"]) == (1, 1, 0)
+    assert store.head(claim).etag == other[0]  # not a's to delete
+
+
+async def test_fills_of_blocks_not_there_share_their_first_look(
+    store: LocalStore, mock_clock: trio.testing.MockClock
+) -> None:
+    """In a herd nearly every fill starts before its block lands: a fill's first
+    look is the listing its node's fills of the object share, not a request of
+    its own (a GET or HEAD per fill, each a 404)."""
+    mock_clock.autojump_threshold = 0
+    refs = [ref(i) for i in range(3)]
+    a = node(store, "a", fetches=3)
+    calls: Counter[str] = Counter()
+    b = counted_node(store, "b", calls)
+    origin = Origin()
+    async with trio.open_nursery() as nursery:
+        for r in refs:
+            nursery.start_soon(fill, a, r, origin)
+        await trio.sleep(0.01)  # a's claims made, its fetches under way
+        looked = trio.Event()
+
+        async def fills_of_b() -> None:
+            async with trio.open_nursery() as inner:
+                for r in refs:
+                    inner.start_soon(fill, b, r, origin)
+                await trio.sleep(0)
+                looked.set()
+
+        nursery.start_soon(fills_of_b)
+        await looked.wait()
+        assert calls == Counter({"list_dir": 1})  # one look for the three fills
+    assert origin.calls == 3
+    assert (b.counts.hits, calls["_get_verified"], calls["head"]) == (3, 3, 0)

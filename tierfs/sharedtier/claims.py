@@ -7,10 +7,13 @@ block from the origin, puts it, and deletes the claim. A node claims only while
 one of its few origin slots is free (slots.py), oldest fill first: a herd keeps
 a few blocks on the origin link at a time, and they land in the order they are
 read. Every other node looks for the block with bounded backoff (50 ms doubling
-to 500 ms), at the claim about once a second (after a first HEAD, through a
-listing of the object's blocks that the node's waiters share: looks.py), and:
+to 500 ms), at the claim about once a second, all through a listing of the
+object's blocks that the node's fills share (looks.py; a first look included:
+in a herd nearly every fill starts before its block lands, and a GET or HEAD
+of each was a 404 per fill), and:
 
-- takes the block as soon as it appears and verifies;
+- takes the block as soon as it appears and verifies: a GET pinned to the
+  listed ETag, whose answer carries the checksum (no HEAD first);
 - claims it itself if the claim disappears without a block (the claimer's
   origin fetch failed: it deletes its claim so nobody waits for nothing);
 - takes the claim over once it has waited `lease` seconds on it (counted on
@@ -57,6 +60,9 @@ log = logging.getLogger(__name__)
 
 # An async runner of a blocking call: Workers.meta / .data / .upload in the daemon.
 Runner = Callable[..., Awaitable[Any]]
+# One put of a block object: its ETag and checksum (an ETag alone does not tell a
+# put that changed only the metadata).
+Version = tuple[str, str | None]
 # The rest of the fetch chain (the origin): fills the view, returns the bytes read.
 Origin = Callable[[memoryview], Awaitable[int]]
 
@@ -64,9 +70,8 @@ POLL_FIRST = 0.05  # seconds before a waiter's first look for the block
 POLL_MAX = 0.5  # its longest pause: a block is taken at most this late
 POLL_GROWTH = 2.0
 CLAIM_EVERY = 1.0  # seconds between looks at the claim waited on (released? taken over?)
-# After its first look (a HEAD), a waiter looks through a listing of the
-# object's blocks and claims that its node's other waiters share (looks.py):
-# one that is at most this many seconds old. With the next shard claimed ahead
+# A fill looks through a listing of the object's blocks and claims that its
+# node's other fills share (looks.py): one that is at most this many seconds old. With the next shard claimed ahead
 # (read/prefetch.py) blocks mostly land before their reader needs them, and a
 # herd on two cores spent its CPU on the looks: 0.5 s (and POLL_MAX 0.5) instead
 # of 0.15 (0.25) cut the shared store's CPU 23 -> 21 s and each daemon's about
@@ -163,18 +168,22 @@ class BlockFlight:
 
     async def _fill(self, ref: BlockRef, buf: memoryview, origin: Origin, ticket: int) -> Outcome:
         name, claim = self.blocks.name(ref), self.blocks.claim_name(ref)
-        bad: tuple[str, str | None] | None = None  # a block object that did not verify
+        bad: Version | None = None  # a put of the block that did not verify
         waited_on: str | None = None  # ETag of the claim this node waits on
         seen: ObjectInfo | None = None  # that claim, as last looked at
         waiting_since = looked = 0.0
         pause = POLL_FIRST
         missed = False
         while True:
-            info = await (self._landed(name, bad) if missed else self._head(name))
-            if info is not None and _version(info) != bad:
-                if await self._take(ref, name, info, buf, ticket):
+            # Every look, the first included, is through a listing its node's fills
+            # of the object share: a block missing costs no request of its own.
+            listed = await self._landed(name, bad)
+            if listed is not None:
+                taken = await self._take(ref, name, listed, buf, ticket)
+                if taken is True:
                     return Outcome.HIT
-                bad = _version(info)
+                if taken is not False:
+                    bad = taken
             if not missed:
                 missed = True
                 self.counts.misses += 1
@@ -237,18 +246,19 @@ class BlockFlight:
 
     async def _claim(
         self, ref: BlockRef, name: str, claim: str, buf: memoryview, origin: Origin,
-        bad: tuple[str, str | None] | None, slot: Slot, ticket: int,
+        bad: Version | None, slot: Slot, ticket: int,
     ) -> tuple[Outcome | None, ObjectInfo | None]:
         """With `slot` taken: claim the block and fill it (its Outcome), or, where
         another node holds the claim, that claim as it is now (None: released in
         between)."""
+        since = self._now()
         held = await self._create_claim(claim)
         if held is None:
             return None, await self._head(claim)
         if await self._landed_meanwhile(ref, name, buf, bad, ticket):
-            await self._release(claim, held)
+            await self._release(claim, held, since)
             return Outcome.HIT, None
-        return await self._fetch(ref, name, buf, origin, claim=held, slot=slot), None
+        return await self._fetch(ref, name, buf, origin, claim=held, since=since, slot=slot), None
 
     async def _expired(
         self, ref: BlockRef, name: str, claim: str, seen: ObjectInfo, buf: memoryview,
@@ -256,6 +266,7 @@ class BlockFlight:
     ) -> Outcome | None:
         """With `slot` taken: take over claim `seen`, which outlived its lease, and
         fill the block; None where another waiter took it over first."""
+        since = self._now()
         held = await self._take_over(claim, seen.etag)
         if held is None:
             return None  # another waiter took it over first: not counted twice
@@ -264,72 +275,85 @@ class BlockFlight:
             return await self._fetch(ref, name, buf, origin, claim=None, slot=slot)
         log.info("shared block %s: a claim made at %s UTC outlived its lease; taken over",
                  name, time.strftime("%H:%M:%S", time.gmtime(seen.mtime)))
-        return await self._fetch(ref, name, buf, origin, claim=held, slot=slot)
+        return await self._fetch(ref, name, buf, origin, claim=held, since=since, slot=slot)
 
     # -- steps -------------------------------------------------------------------
 
-    async def _landed(self, name: str, bad: tuple[str, str | None] | None) -> ObjectInfo | None:
-        """The block object, with its metadata, once a listing shows a put of it
-        other than the one that did not verify."""
+    async def _landed(self, name: str, bad: Version | None) -> ObjectInfo | None:
+        """The block object as a listing shows it (no metadata: the GET brings that),
+        once it shows a put of it other than the one that did not verify."""
         listed = await self._listed(name)
         if listed is None or (bad is not None and listed.etag == bad[0]):
             return None
-        return await self._head(name)
+        return listed
 
     async def _landed_meanwhile(
-        self, ref: BlockRef, name: str, buf: memoryview, bad: tuple[str, str | None] | None,
-        ticket: int,
+        self, ref: BlockRef, name: str, buf: memoryview, bad: Version | None, ticket: int,
     ) -> bool:
         """Whether the block landed between this node's look and its claim (its
         claimer put it, then released the claim): one more look saves an origin
-        fetch. A failure here is no reason not to fetch: False."""
+        fetch. Mostly it has not: a GET out of line (its 404 costs what a HEAD's
+        does; the slot taken is not held up behind other blocks' GETs); a HEAD
+        first where a put of it did not verify (not taken twice). A failure here
+        is no reason not to fetch: False."""
         try:
+            if bad is None:
+                return await self._take(ref, name, None, buf, ticket, in_line=False) is True
             info = await self._head(name)
             return info is not None and _version(info) != bad and await self._take(
-                ref, name, info, buf, ticket)
+                ref, name, info, buf, ticket) is True
         except SharedError:
             return False
 
     async def _take(
-        self, ref: BlockRef, name: str, info: ObjectInfo, buf: memoryview, ticket: int
-    ) -> bool:
-        """GET the block (pinned to the ETag just seen) into buf and verify it, once
-        fill `ticket` is first in line for a GET."""
-        if info.size != ref.length:
-            ok = False
-        else:
-            slot = await self._gets.take(ticket)
-            try:
-                ok = await self._data(self._get_verified, ref, name, info, buf)
-            except StoreError as exc:
-                if exc.kind in ("changed", "not_found"):
-                    return False  # replaced or removed since the HEAD: look again
-                raise SharedError(exc) from exc
-            finally:
+        self, ref: BlockRef, name: str, seen: ObjectInfo | None, buf: memoryview, ticket: int,
+        *, in_line: bool = True,
+    ) -> bool | Version:
+        """GET the block into buf and verify it (its checksum comes with the GET's
+        answer), once fill `ticket` is first in line for a GET (`in_line`). Pinned
+        to the ETag of `seen` (listed or HEADed), if any. True: taken. False: not
+        there (or replaced or removed since it was seen): look again. Else the put
+        that did not verify, counted and never served."""
+        slot = await self._gets.take(ticket) if in_line else None
+        try:
+            got = await self._data(self._get_verified, ref, name,
+                                   None if seen is None else seen.etag, buf)
+        except StoreError as exc:
+            if exc.kind in ("changed", "not_found"):
+                return False
+            raise SharedError(exc) from exc
+        finally:
+            if slot is not None:
                 slot.give()
-        if ok:
+        if got is True:
             self.counts.hits += 1
             self.counts.shared_bytes += ref.length
             return True
         self.counts.corrupt += 1
         log.warning("shared block %s (%r block %d) failed verification: not served, "
                     "fetching it again", name, ref.key, ref.index)
-        return False
+        return got
 
-    def _get_verified(self, ref: BlockRef, name: str, info: ObjectInfo, buf: memoryview) -> bool:
+    def _get_verified(self, ref: BlockRef, name: str, etag: str | None,
+                      buf: memoryview) -> bool | Version:
+        """(worker) True if the block's bytes verify; else its version as answered."""
         view = buf[: ref.length]
-        n = self.store.get_range_into(name, 0, ref.length, view, info.etag).length
-        return n == ref.length and self.blocks.verifies(ref, view, info.metadata)
+        got = self.store.get_range_into(name, 0, ref.length, view, etag)
+        metadata = got.metadata or {}
+        if got.length == ref.length and self.blocks.verifies(ref, view, metadata):
+            return True
+        return got.etag, metadata.get(SUM_META)
 
     async def _fetch(
         self, ref: BlockRef, name: str, buf: memoryview, origin: Origin, *, claim: str | None,
-        slot: Slot | None = None,
+        since: float = 0.0, slot: Slot | None = None,
     ) -> Outcome:
         """The block from the origin, put into the shared tier. `slot` (a claimed
         block's) waits for one of the node's fetches and is given back as soon as
         the origin is done with (the put does not use the link); `claim` (this
         node's claim's ETag; None where the store has no conditional writes) is
-        released whatever happens, so that nobody waits for a fetch that failed."""
+        released whatever happens, so that nobody waits for a fetch that failed
+        (`since`: when this node asked for it, on its own clock)."""
         try:
             async with nullcontext() if slot is None else self.slots.fetching(slot):
                 await self._from_origin(ref, buf, origin)
@@ -342,7 +366,7 @@ class BlockFlight:
         finally:
             if claim is not None:
                 with trio.CancelScope(shield=True):
-                    await self._release(self.blocks.claim_name(ref), claim)
+                    await self._release(self.blocks.claim_name(ref), claim, since)
         if claim is None:
             self.counts.own_fetches += 1
             return Outcome.OWN
@@ -392,14 +416,21 @@ class BlockFlight:
         return self.store.put_bytes(claim, self._claim_body(), if_match=if_match,
                                     if_none_match=if_match is None)
 
-    async def _release(self, claim: str, etag: str) -> None:
-        """Delete this node's claim, unless another node has taken it over since (a
-        plain DELETE cannot be conditional everywhere: look first; the race left
-        costs at most one extra origin fetch, never a wrong byte)."""
+    async def _release(self, claim: str, etag: str, since: float) -> None:
+        """Delete this node's claim (`etag`, asked for at `since` on this node's
+        clock), unless another node has taken it over since. A plain DELETE cannot
+        be conditional everywhere: a claim held half its lease or longer is looked
+        at first. One held less cannot have been taken over: a waiter takes a claim
+        over only once it has waited a whole lease on it (from when it first saw
+        it, after `since`), or once its Last-Modified is a lease and CLOCK_SKEW old.
+        The race left (a clock further off than that) costs at most one extra
+        origin fetch, never a wrong byte."""
         try:
-            info = await self._head(claim)
-            if info is not None and info.etag == etag:
-                await self._meta(self.store.delete, claim)
+            if self._now() - since >= self.lease / 2:
+                info = await self._head(claim)
+                if info is None or info.etag != etag:
+                    return
+            await self._meta(self.store.delete, claim)
         except (SharedError, StoreError) as exc:
             log.debug("releasing claim %s: %s", claim, exc)
 
@@ -420,7 +451,7 @@ class BlockFlight:
         return info
 
 
-def _version(info: ObjectInfo) -> tuple[str, str | None]:
+def _version(info: ObjectInfo) -> Version:
     """What tells one put of a block object from another: its ETag alone is not
     enough where a put changed only the metadata."""
     return info.etag, info.metadata.get(SUM_META)
