@@ -52,12 +52,16 @@ Done = Callable[[], Awaitable[None]]
 NextFile = Callable[[str], ObjectInfo | None]
 
 
-class _Width:
-    """Parts of one prefetch in flight: at most `limit`, which may grow (a file
-    fetched ahead that a reader opens)."""
+class _Run:
+    """One running prefetch: at most `limit` parts in flight, which may grow (a
+    file fetched ahead that a reader opens); whether a reader has opened it
+    (`read`) and whether every part of it is handed out (`issued`): with both,
+    the next file is fetched ahead."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, *, read: bool) -> None:
         self.limit = limit
+        self.read = read
+        self.issued = False
         self._used = 0
         self._changed = trio.Event()
 
@@ -93,9 +97,7 @@ class WholePrefetch:
         self._min_size = min_size
         self._next_file = next_file  # None: no file is fetched ahead of its open
         self.ahead_parallel = max(1, min(ahead_parallel, self.parallel))
-        self._running: dict[int, _Width] = {}  # id() of entries with a prefetch running
-        self._read: set[int] = set()  # ... of those, the ones a reader has opened
-        self._issued: set[int] = set()  # ... of those, the ones with every part handed out
+        self._running: dict[int, _Run] = {}  # id() of entries with a prefetch running
         self._opening_ahead: set[str] = set()  # keys being opened to be fetched ahead
         self.ahead_started = 0  # files fetched ahead of their open
 
@@ -113,11 +115,11 @@ class WholePrefetch:
         does not stop it)."""
         if not self.wants(key, size) or entry.state != "clean":
             return
-        width = self._running.get(id(entry))
-        if width is not None:  # fetched ahead of this open, or opened before
-            width.widen(self.parallel)
-            self._read.add(id(entry))
-            if id(entry) in self._issued:
+        run = self._running.get(id(entry))
+        if run is not None:  # fetched ahead of this open, or opened before
+            run.widen(self.parallel)
+            run.read = True
+            if run.issued:
                 self._ahead(key)
             return
         if entry.serve.complete():
@@ -127,11 +129,7 @@ class WholePrefetch:
         if held is not entry:  # replaced meanwhile: leave it to the next open
             await self.workers.disk(self.cache.release, held)
             return
-
-        async def done() -> None:
-            await self.workers.disk(self.cache.release, held)
-
-        self.start(held, done)
+        self.start(held, self._releasing(held))
 
     def start(self, entry: Entry, done: Done | None = None, *, ahead: bool = False) -> None:
         """Fetch the whole object into tier 1 in the background, in order. `done` runs
@@ -141,10 +139,13 @@ class WholePrefetch:
             log.debug("not prefetching %r: larger than half of tier 1", entry.key)
             self.nursery.start_soon(_finish, done)
             return
-        width = self._running[id(entry)] = _Width(self.ahead_parallel if ahead else self.parallel)
-        if not ahead:
-            self._read.add(id(entry))
-        self.nursery.start_soon(self._run, entry, done, width)
+        run = self._running[id(entry)] = _Run(self.ahead_parallel if ahead else self.parallel,
+                                              read=not ahead)
+        self.nursery.start_soon(self._run, entry, done, run)
+
+    def _releasing(self, held: Entry) -> Done:
+        """A prefetch's end: give back the reference it held."""
+        return partial(self.workers.disk, self.cache.release, held)
 
     def _ahead(self, key: str) -> None:
         """A reader's file `key` has all its parts on the way: fetch the file its
@@ -165,17 +166,13 @@ class WholePrefetch:
         finally:
             self._opening_ahead.discard(info.key)
         if self.running(held) or held.state != "clean" or held.serve.complete():
-            await _finish(partial(self.workers.disk, self.cache.release, held))
+            await _finish(self._releasing(held))
             return
-
-        async def done() -> None:
-            await self.workers.disk(self.cache.release, held)
-
         self.ahead_started += 1
         log.info("fetching %r ahead of its open (the shard after the one being read)", info.key)
-        self.start(held, done, ahead=True)
+        self.start(held, self._releasing(held), ahead=True)
 
-    async def _run(self, entry: Entry, done: Done | None, slots: _Width) -> None:
+    async def _run(self, entry: Entry, done: Done | None, slots: _Run) -> None:
         started = time.monotonic()
         f = self.fetcher
         try:
@@ -194,8 +191,8 @@ class WholePrefetch:
                         slots.release()
                         continue
                     n.start_soon(self._parts, entry, owned, slots)
-                self._issued.add(id(entry))
-                if id(entry) in self._read:
+                slots.issued = True
+                if slots.read:
                     self._ahead(entry.key)
             log.info("prefetched %r (%d MiB) into tier 1 in %.1fs", entry.key,
                      entry.size >> 20, time.monotonic() - started)
@@ -203,12 +200,10 @@ class WholePrefetch:
             log.info("prefetch of %r stopped: %s", entry.key, exc)
         finally:
             del self._running[id(entry)]
-            self._read.discard(id(entry))
-            self._issued.discard(id(entry))
             await _finish(done)
 
     async def _parts(
-        self, entry: Entry, owned: list[tuple[int, int, Flight]], slots: _Width
+        self, entry: Entry, owned: list[tuple[int, int, Flight]], slots: _Run
     ) -> None:
         try:
             for a, b, flight in owned:

@@ -32,13 +32,12 @@ class Looks:
     async def find(self, key: str) -> ObjectInfo | None:
         """Object `key` as a fresh enough listing of its folder shows it (ETag,
         size, Last-Modified; no user metadata), or None. Raises StoreError."""
-        folder = key.rsplit("/", 1)[0] + "/"
-        return (await self._listing(folder)).get(key)
+        return (await self._listing(_folder(key))).get(key)
 
     def forget(self, key: str) -> None:
         """What the last listing of `key`'s folder showed is known out of date (a
         claim in it was replaced): the next look lists again."""
-        self._seen.pop(key.rsplit("/", 1)[0] + "/", None)
+        self._seen.pop(_folder(key), None)
 
     async def _listing(self, folder: str) -> dict[str, ObjectInfo]:
         while True:
@@ -60,3 +59,8 @@ class Looks:
         self._seen = {f: s for f, s in self._seen.items() if asked - s[0] < self._fresh}
         self._seen[folder] = (asked, entries)
         return entries
+
+
+def _folder(key: str) -> str:
+    """The folder a block or claim object is listed in (its prefix, with the slash)."""
+    return key.rsplit("/", 1)[0] + "/"
