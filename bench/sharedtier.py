@@ -48,6 +48,7 @@ import shutil
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -414,15 +415,12 @@ def one_run(run: int, b: Bench, herd: Herd, sc: Any, proxy: FaultProxy, tc_sent:
     drop_caches()
     before = tc_sent()
     assert herd.shared.proc is not None and b.server.proc is not None
-    cpu0 = (cpu_s(herd.shared.proc.pid), cpu_s(b.server.proc.pid), *map(cpu_s, [m.pid for m in ms]))
+    pids = [herd.shared.proc.pid, b.server.proc.pid, *(m.pid for m in ms)]  # shared, origin, daemons
+    cpu0 = [cpu_s(p) for p in pids]
     walls, errors = load_together([herd.paths(m) for m in ms])
-    cpu1 = (cpu_s(herd.shared.proc.pid), cpu_s(b.server.proc.pid), *map(cpu_s, [m.pid for m in ms]))
-    cpu = [round(y - x, 1) for x, y in zip(cpu0, cpu1, strict=True)]
+    cpu = [round(cpu_s(p) - c, 1) for p, c in zip(pids, cpu0, strict=True)]
     reqs = shared_requests(ms)
-    total: dict[str, float] = {}
-    for r in reqs:
-        for k, v in r.items():
-            total[k] = total.get(k, 0.0) + v
+    total = sum((Counter(r) for r in reqs), Counter[str]())
     print(f"run {run}: herd cpu s: shared store {cpu[0]}, origin {cpu[1]}, daemons {cpu[2:]}; "
           f"load {os.getloadavg()}", flush=True)
     for i, r in enumerate(reqs):

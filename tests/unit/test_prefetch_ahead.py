@@ -10,7 +10,7 @@ in the trio thread, as in test_sharedtier_claims.py."""
 from __future__ import annotations
 
 import os
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,7 +20,7 @@ import trio
 import trio.testing
 
 from tierfs.budget import BufferPool, MemoryBudget
-from tierfs.cache import Cache
+from tierfs.cache import Cache, Entry
 from tierfs.read.bodies import Bodies
 from tierfs.read.fetcher import Fetcher, fetch_unit
 from tierfs.read.landed import LandedParts
@@ -185,21 +185,20 @@ class Node:
             await self.read_whole(name)
             await trio.sleep(LOAD)
 
-    async def open(self, name: str) -> None:
-        """An open the loader makes and keeps (its entry is never released)."""
+    async def open(self, name: str) -> Entry:
+        """An open as the daemon makes it: the entry, then the prefetch told. Kept
+        open unless the caller releases it."""
         info = self.model.info(name)
         self.opened[name] = trio.current_time()
         entry = await self.workers.disk(self.cache.open, info.key, info.etag, info.size,
                                         info.mtime)
         await self.prefetch.opened(info.key, info.etag, info.size, info.mtime, entry)
+        return entry
 
     async def read_whole(self, name: str) -> None:
         info = self.model.info(name)
-        self.opened[name] = trio.current_time()
-        entry = await self.workers.disk(self.cache.open, info.key, info.etag, info.size,
-                                        info.mtime)
+        entry = await self.open(name)
         try:
-            await self.prefetch.opened(info.key, info.etag, info.size, info.mtime, entry)
             # The prefetch claims its first parts before the first read arrives (in
             # the daemon a read comes a FUSE round trip after the open's reply).
             await trio.testing.wait_all_tasks_blocked()
@@ -211,6 +210,15 @@ class Node:
             assert bytes(got) == self.model.data[name]
         finally:
             await self.workers.disk(self.cache.release, entry)
+
+
+def model_behind_link(tmp_path: Path, mock_clock: trio.testing.MockClock, *, shards: int,
+                      parts: int) -> tuple[Model, Link]:
+    """A model of `shards` shards in the origin, behind its link; virtual time
+    jumps as soon as every task waits."""
+    mock_clock.autojump_threshold = 0
+    model = Model(tmp_path / "origin", shards=shards, parts=parts)
+    return model, Link(model.store)
 
 
 def idle_gaps(link: Link) -> list[float]:
@@ -234,9 +242,7 @@ async def test_a_herd_keeps_the_link_busy_across_shard_boundaries(
     and on the link before any loader opens it, the link never idles, and still
     every block crosses it once. Without (`ahead=False`, as before), the link
     idles at each boundary while the loaders finish the shard before."""
-    mock_clock.autojump_threshold = 0
-    model = Model(tmp_path / "origin", shards=3, parts=4)
-    link = Link(model.store)
+    model, link = model_behind_link(tmp_path, mock_clock, shards=3, parts=4)
     shared_root = tmp_path / "shared"
     shared_root.mkdir()
     shared = LocalStore(str(shared_root))
@@ -267,9 +273,7 @@ async def test_few_parts_in_flight_until_its_reader_opens_it(
     """A reader's shard has every part on the way: the next shard is fetched ahead
     with at most `ahead_parallel` parts in flight; once its reader opens it, it
     gets the prefetch's full width."""
-    mock_clock.autojump_threshold = 0
-    model = Model(tmp_path / "origin", shards=2, parts=12)
-    link = Link(model.store)
+    model, link = model_behind_link(tmp_path, mock_clock, shards=2, parts=12)
     first, second = model.names
     async with trio.open_nursery() as n:
         node = Node(tmp_path / "c", model, link, n, ahead=True, fetches=1, parallel=4)
@@ -287,9 +291,7 @@ async def test_few_parts_in_flight_until_its_reader_opens_it(
 async def test_a_shard_still_coming_ahead_when_opened_has_the_next_one_fetched_ahead(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
-    mock_clock.autojump_threshold = 0
-    model = Model(tmp_path / "origin", shards=3, parts=4)
-    link = Link(model.store)
+    model, link = model_behind_link(tmp_path, mock_clock, shards=3, parts=4)
     first, second, third = model.names
     async with trio.open_nursery() as n:
         node = Node(tmp_path / "c", model, link, n, ahead=True, fetches=1, parallel=4)
@@ -304,9 +306,7 @@ async def test_a_shard_still_coming_ahead_when_opened_has_the_next_one_fetched_a
 async def test_one_file_ahead_only(tmp_path: Path, mock_clock: trio.testing.MockClock) -> None:
     """A shard fetched ahead does not start the one after it, even once every part
     of it is on the way; its reader's open does."""
-    mock_clock.autojump_threshold = 0
-    model = Model(tmp_path / "origin", shards=3, parts=4)
-    link = Link(model.store)
+    model, link = model_behind_link(tmp_path, mock_clock, shards=3, parts=4)
     first, second, third = model.names
     async with trio.open_nursery() as n:
         node = Node(tmp_path / "c", model, link, n, ahead=True, fetches=1, parallel=4)
@@ -322,9 +322,7 @@ async def test_one_file_ahead_only(tmp_path: Path, mock_clock: trio.testing.Mock
 async def test_a_shard_whole_in_tier1_still_has_the_next_one_fetched_ahead(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
-    mock_clock.autojump_threshold = 0
-    model = Model(tmp_path / "origin", shards=2, parts=4)
-    link = Link(model.store)
+    model, link = model_behind_link(tmp_path, mock_clock, shards=2, parts=4)
     first, second = model.names
     async with trio.open_nursery() as n:
         node = Node(tmp_path / "c", model, link, n, ahead=False)
@@ -337,8 +335,5 @@ async def test_a_shard_whole_in_tier1_still_has_the_next_one_fetched_ahead(
         assert {s for s, _, _ in link.asked[asked:]} == {second}
         await node.read_whole(second)
         n.cancel_scope.cancel()
-    by_shard: defaultdict[str, int] = defaultdict(int)
-    for s, _, _ in link.asked:
-        by_shard[s] += 1
-    assert by_shard == {first: 4, second: 4}
+    assert Counter(s for s, _, _ in link.asked) == {first: 4, second: 4}
     assert link.first(second) < node.opened[second]
