@@ -420,7 +420,9 @@ def one_run(run: int, b: Bench, herd: Herd, sc: Any, proxy: FaultProxy, tc_sent:
     walls, errors = load_together([herd.paths(m) for m in ms])
     cpu = [round(cpu_s(p) - c, 1) for p, c in zip(pids, cpu0, strict=True)]
     reqs = shared_requests(ms)
-    total = sum((Counter(r) for r in reqs), Counter[str]())
+    total: Counter[str] = Counter()
+    for r in reqs:
+        total.update(r)  # (update keeps zero counts; a sum of Counters drops them)
     print(f"run {run}: herd cpu s: shared store {cpu[0]}, origin {cpu[1]}, daemons {cpu[2:]}; "
           f"load {os.getloadavg()}", flush=True)
     for i, r in enumerate(reqs):
