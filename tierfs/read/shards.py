@@ -37,8 +37,11 @@ def next_shard(name: str, siblings: Iterable[str]) -> str | None:
     if not numbers:
         return None
     best: tuple[tuple[int, ...], str] | None = None
+    head, tail = text[0], text[-1]
     for other in siblings:
-        if other == name:
+        # (cheap string tests first: a directory may hold thousands of names, and
+        # this runs on the trio thread)
+        if other == name or not other.startswith(head) or not other.endswith(tail):
             continue
         t, n = _split(other)
         if t != text or len(n) != len(numbers):
