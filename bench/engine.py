@@ -5,7 +5,11 @@ Stages, each a median of --runs, all in one run against one SeaweedFS:
   read1   cold `dd bs=1M` of a --size object (fresh tier 1, page cache dropped)
           vs a bare awscrt GET of it into a local file (recv_filepath)
   write1  `dd conv=fsync` of a --size file into the mount + `tierfs flush`
-          (until the object is in the bucket) vs a bare awscrt PUT of the file
+          (until the object is in the bucket) vs a bare awscrt PUT of the file;
+          beside them the bound of any write-then-upload: the same dd into a
+          local file on the disk tier 1 is on, then the bare PUT of it
+          (`ext4_then_put_1`); with --stream also a mount whose classes have
+          `stream_parts = true` (parts go up while dd writes)
   read4   4 readers of 4 different cold --size objects at once vs 4 bare GETs at once
   small   --files x 100 KiB cold, 8 readers (`xargs -P8 cat`) vs boto3 get_object
           with 8 threads
@@ -16,7 +20,7 @@ seconds per GiB (per file for `small`). Machine load is printed beside it.
 defaults, no config file: e.g. the commit before the engine), for an A/B.
 
 Usage: python bench/engine.py [--size 1G] [--runs 3] [--files 10000] [--botocore]
-           [--before TREE] [--skip read4,...]
+           [--stream] [--before TREE] [--skip read4,...]
 """
 
 from __future__ import annotations
@@ -112,6 +116,11 @@ def dd_read(paths: list[Path]) -> float:
     return time.perf_counter() - t
 
 
+def dd_write(src: Path, dst: Path) -> None:
+    subprocess.run(["dd", f"if={src}", f"of={dst}", "bs=1M", "conv=fsync"], check=True,
+                   stderr=subprocess.DEVNULL, env={**os.environ, "LC_ALL": "C"})
+
+
 def seed_small(b: Bench, n: int) -> list[str]:
     keys = [f"small/{i // 1000:02d}/{i:05d}.jpg" for i in range(n)]
     body = os.urandom(SMALL)
@@ -147,6 +156,8 @@ def main() -> None:
         p.add_argument("--files", type=int, default=10_000)
         p.add_argument("--botocore", action="store_true",
                        help="also the same mount with [store] engine = \"botocore\"")
+        p.add_argument("--stream", action="store_true",
+                       help="also a mount with stream_parts = true (write1 only)")
         p.add_argument("--skip", default="", help="comma-separated stages to skip")
         p.add_argument("--before", default=None,
                        help="another source tree, mounted with its defaults as 'before'")
@@ -154,7 +165,7 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0], GiB, 3, extra)
     skip = set(filter(None, args.skip.split(",")))
     engines = ["crt", *(["botocore"] if args.botocore else []),
-               *(["before"] if args.before else [])]
+               *(["before"] if args.before else []), *(["stream"] if args.stream else [])]
     with Bench(args, "engine") as b:
         os.chdir(b.work)  # `python -m tierfs` of a --before tree imports what PYTHONPATH names
         size = args.size
@@ -166,13 +177,15 @@ def main() -> None:
             b.seed(k, src)
         keys = seed_small(b, args.files) if "small" not in skip else []
         bare = Bare(b)
+        readers = [e for e in engines if e != "stream"]  # stream_parts changes writes only
         mounts: dict[str, Callable[[], TierfsMount]] = {}
         for e in engines:
             if e == "before":
                 mounts[e] = partial(mount_tree, b, Path(args.before).resolve())
                 continue
             conf = b.work / f"{e}.toml"
-            conf.write_text(f'[store]\nengine = "{e}"\n')
+            conf.write_text(f'[store]\nengine = "{e}"\n' if e != "stream" else "".join(
+                f"[classes.{c}]\nstream_parts = true\n" for c in ("default", "checkpoint", "dataset")))
             mounts[e] = partial(b.mount, None, "--config", str(conf))
         t: dict[str, list[float]] = {}
         cpu: dict[str, list[dict[str, float]]] = {}
@@ -189,7 +202,7 @@ def main() -> None:
             if "read1" not in skip:
                 drop_caches()
                 rec("bare_get_1", bare.get(big[:1], out))
-                for e in engines:
+                for e in readers:
                     m = mounts[e]()
                     drop_caches()
                     c0 = thread_cpu(m.pid)
@@ -198,13 +211,17 @@ def main() -> None:
                     b.unmount(m)
             if "write1" not in skip:
                 rec("bare_put_1", bare.put(f"bare/put-{run}", src))
+                local = b.work / "local.bin"
+                t0 = time.perf_counter()
+                dd_write(src, local)
+                rec("ext4_dd_1", time.perf_counter() - t0)
+                rec("ext4_then_put_1", t["ext4_dd_1"][-1] + bare.put(f"bare/local-{run}", local))
+                local.unlink()
                 for e in engines:
                     m = mounts[e]()
                     c0 = thread_cpu(m.pid)
                     t0 = time.perf_counter()
-                    subprocess.run(["dd", f"if={src}", f"of={m.mountpoint / f'w-{e}-{run}.pt'}",
-                                    "bs=1M", "conv=fsync"], check=True, stderr=subprocess.DEVNULL,
-                                   env={**os.environ, "LC_ALL": "C"})
+                    dd_write(src, m.mountpoint / f"w-{e}-{run}.pt")
                     dd = time.perf_counter() - t0
                     b.flush(m)
                     secs = time.perf_counter() - t0
@@ -214,7 +231,7 @@ def main() -> None:
             if "read4" not in skip:
                 drop_caches()
                 rec("bare_get_4", bare.get(big, out))
-                for e in engines:
+                for e in readers:
                     m = mounts[e]()
                     drop_caches()
                     c0 = thread_cpu(m.pid)
@@ -223,7 +240,7 @@ def main() -> None:
                     b.unmount(m)
             if "small" not in skip:
                 rec("boto3_small_8", boto3_small(b, keys))
-                for e in engines:
+                for e in readers:
                     m = mounts[e]()
                     drop_caches()
                     c0 = thread_cpu(m.pid)
@@ -237,6 +254,7 @@ def main() -> None:
         ratios: dict[str, float] = {}
         for e in engines:
             for stage, ref in (("read_1", "bare_get_1"), ("write_1", "bare_put_1"),
+                               ("write_1", "ext4_then_put_1"),
                                ("read_4", "bare_get_4"), ("small_8", "boto3_small_8")):
                 if f"{e}_{stage}" in med and ref in med:
                     ratios[f"{e}_{stage}_vs_{ref}"] = med[f"{e}_{stage}"] / med[ref]
