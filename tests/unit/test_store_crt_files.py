@@ -8,10 +8,13 @@ import errno
 import os
 import subprocess
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 import xxhash
+from awscrt import auth, http
+from botocore.credentials import Credentials, RefreshableCredentials
 
 from tests.support.marks import needs_root
 from tierfs.cache.fileio import file_digests
@@ -168,3 +171,31 @@ def test_fill_digests_read_back_match_the_bytes(tmp_path: Path, chunk: int) -> N
         assert ei.value.errno == errno.EIO
     finally:
         os.close(fd)
+
+
+def _signed_with(provider: auth.AwsCredentialsProvider) -> str:
+    """The Authorization header of a request the runtime signs with `provider`."""
+    config = auth.AwsSigningConfig(algorithm=auth.AwsSigningAlgorithm.V4,
+                                   signature_type=auth.AwsSignatureType.HTTP_REQUEST_HEADERS,
+                                   credentials_provider=provider, region="us-east-1",
+                                   service="s3")
+    request = http.HttpRequest("GET", "/b/k", http.HttpHeaders([("Host", "127.0.0.1")]))
+    return auth.aws_sign_request(request, config).result(10).headers.get("Authorization")
+
+
+def test_fixed_keys_are_given_to_the_runtime_once_refreshable_ones_asked_per_request() -> None:
+    """Fixed keys need no call into Python as each request is signed (a runtime
+    thread waiting for the GIL); keys that expire are asked for every time."""
+    asked: list[int] = []
+
+    def frozen() -> auth.AwsCredentials:
+        asked.append(1)
+        return auth.AwsCredentials("AKIDROTATED", "secret2")
+
+    fixed = crt._provider(Credentials("AKIDFIXED", "secret"), frozen)
+    assert "Credential=AKIDFIXED/" in _signed_with(fixed)
+    assert asked == []
+    refreshing = RefreshableCredentials("AKIDOLD", "secret", None, datetime.now(UTC),
+                                        lambda: {}, "test")
+    assert "Credential=AKIDROTATED/" in _signed_with(crt._provider(refreshing, frozen))
+    assert asked == [1]
