@@ -7,6 +7,19 @@ limited. A model of --size bytes in --shards safetensors shards. Per run:
   alone   one tierfs mount without the shared tier loads the model cold (the reference)
   herd    N mounts (own cache dirs) with --shared-cache load it at the same moment;
           claims won / lost / expired summed over the herd
+  bare    the bound this machine sets: N processes started at once doing the herd's
+          work ideally with no tierfs, through bare awscrt S3Clients (16 x 16 MiB
+          here: ~0.35 client CPU-s for GETs or PUTs, boto3 threads 0.36-0.94 and
+          0.66-0.74; the store's CPU the same either way). The same
+          blocks (tierfs's block size and names, a fresh prefix); node i owns
+          blocks i, i+N, ... of the model (in shard order): GETs each from the
+          shaped origin (--bare-fetches at once: tierfs's origin_fetches), PUTs it
+          to the shared tier, announces it on a multiprocessing queue (free,
+          ideal coordination); every node GETs each block it does not own from the
+          shared tier once announced (4 at once); every block goes into a local
+          file per shard at its offset (as tier 1), and a node loads each shard
+          (load_file) once all its blocks are local. Wall: until its loads and
+          its puts are done. Shard files checked by sha256 after the timing
   today   N boto3 processes GET the whole model from the shaped origin at once:
           what N nodes without a shared tier pay (N copies through one link)
   fifth   one more mount after the herd: origin bytes (should be 0), and its
@@ -39,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import multiprocessing as mp
 import os
@@ -46,15 +60,18 @@ import queue
 import re
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from awscrt import auth, http, s3
 from botocore.exceptions import ClientError
 from common import BUCKET, Bench, GiB, MiB, drop_caches, median, parse_args, report
 from safetensors.numpy import load_file, save_file
@@ -62,10 +79,13 @@ from safetensors.numpy import load_file, save_file
 from tests.fault.proxy import FaultProxy, Rule
 from tests.support.mount import TierfsMount, is_mounted
 from tests.support.seaweed import SeaweedServer
+from tierfs.config import SHARED_BLOCK, SHARED_ORIGIN_FETCHES
+from tierfs.sharedtier.blocks import BlockRef, Blocks
 
 SHARED_BUCKET = "shared"
 TENSOR = 16 * MiB
 CLAIM_POLL = 0.02
+BARE_TAKES = 4  # shared-tier GETs a bare node has in flight at once
 
 
 def make_shards(work: Path, size: int, shards: int) -> list[Path]:
@@ -286,6 +306,162 @@ def boto_herd(server: SeaweedServer, keys: list[tuple[str, int]], nodes: int,
     return max(walls)
 
 
+class Crt:
+    """A bare awscrt S3Client of one server (the runtime's defaults, path-style):
+    blocking GETs into a file at an offset, PUTs from memory."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.host = env["AWS_ENDPOINT_URL"].split("//", 1)[1]
+        creds = auth.AwsCredentialsProvider.new_static(env["AWS_ACCESS_KEY_ID"],
+                                                       env["AWS_SECRET_ACCESS_KEY"])
+        self.client = s3.S3Client(
+            region="us-east-1", tls_mode=s3.S3RequestTlsMode.DISABLED,
+            signing_config=s3.create_default_s3_signing_config(region="us-east-1",
+                                                               credential_provider=creds))
+
+    def _req(self, method: str, bucket: str, key: str, headers: list[tuple[str, str]],
+             body: Any = None) -> http.HttpRequest:
+        return http.HttpRequest(method, f"/{bucket}/{key}",
+                                http.HttpHeaders([("Host", self.host), *headers]), body)
+
+    def get(self, bucket: str, key: str, into: str, at: int, length: int | None = None,
+            start: int = 0) -> None:
+        """Bytes [start, start + length) of `key` (all of it if no length) into file
+        `into` from offset `at` (written by the runtime's threads)."""
+        rng = [] if length is None else [("Range", f"bytes={start}-{start + length - 1}")]
+        self.client.make_request(
+            type=s3.S3RequestType.GET_OBJECT, request=self._req("GET", bucket, key, rng),
+            recv_filepath=into, recv_file_option=s3.S3RecvFileOption.WRITE_TO_POSITION,
+            recv_file_position=at).finished_future.result()
+
+    def put(self, bucket: str, key: str, data: bytes) -> None:
+        """One PutObject of `data` (not multipart: tierfs puts a block whole)."""
+        self.client.make_request(
+            type=s3.S3RequestType.PUT_OBJECT, part_size=len(data),
+            multipart_upload_threshold=len(data),
+            request=self._req("PUT", bucket, key, [("Content-Length", str(len(data)))],
+                              io.BytesIO(data))).finished_future.result()
+
+
+@dataclass(frozen=True)
+class BareBlock:
+    shard: int
+    key: str  # the origin object's key
+    start: int  # its offset in that object
+    length: int
+    name: str  # the block object's key in the shared bucket
+
+
+def bare_blocks(client: Any, keys: list[str], prefix: str) -> list[BareBlock]:
+    """Every block of the model, in shard order: tierfs's block boundaries and names."""
+    out = []
+    for s, key in enumerate(keys):
+        head = client.head_object(Bucket=BUCKET, Key=key)
+        size, etag = head["ContentLength"], head["ETag"].strip('"')
+        for i in range(-(-size // SHARED_BLOCK)):
+            ref = BlockRef(f"s3://{BUCKET}", key, etag, size, SHARED_BLOCK, i)
+            out.append(BareBlock(s, key, ref.start, ref.length, f"{prefix}/{Blocks().name(ref)}"))
+    return out
+
+
+def _bare_node(i: int, blocks: list[BareBlock], shards: list[str], origin: dict[str, str],
+               shared: dict[str, str], fetches: int, inboxes: list[Any], start: Any,
+               out: Any) -> None:
+    """Node i of the bare herd (see `bare` in the module's docstring); posts
+    (i, wall, CPU-s of this process, error or None)."""
+    n = len(inboxes)
+    src, tier = Crt(origin), Crt(shared)
+    left = Counter(b.shard for b in blocks)
+    ready = [threading.Event() for _ in shards]
+    lock = threading.Lock()
+    for s, path in enumerate(shards):
+        with open(path, "wb") as f:
+            f.truncate(sum(b.length for b in blocks if b.shard == s))
+
+    def landed(b: BareBlock) -> None:
+        with lock:
+            left[b.shard] -= 1
+            if not left[b.shard]:
+                ready[b.shard].set()
+
+    def own(j: int) -> None:
+        b = blocks[j]
+        src.get(BUCKET, b.key, shards[b.shard], b.start, b.length, b.start)
+        landed(b)
+        with open(shards[b.shard], "rb") as f:
+            data = os.pread(f.fileno(), b.length, b.start)
+        tier.put(SHARED_BUCKET, b.name, data)
+        for k, box in enumerate(inboxes):
+            if k != i:
+                box.put(j)
+
+    def take() -> None:  # the next block announced (BARE_TAKES at once, in their order)
+        b = blocks[inboxes[i].get(timeout=600)]
+        tier.get(SHARED_BUCKET, b.name, shards[b.shard], b.start)
+        landed(b)
+
+    def failing(f: Future[None]) -> None:
+        if f.exception() is not None:
+            for e in ready:  # the loads go on (and fail): the error is raised after them
+                e.set()
+
+    mine = range(i, len(blocks), n)
+    start.wait()
+    t, cpu = time.perf_counter(), sum(os.times()[:2])
+    try:
+        with ThreadPoolExecutor(fetches) as owners, ThreadPoolExecutor(BARE_TAKES) as takers:
+            done = [owners.submit(own, j) for j in mine]
+            done += [takers.submit(take) for _ in range(len(blocks) - len(mine))]
+            for fut in done:
+                fut.add_done_callback(failing)
+            for s, path in enumerate(shards):
+                ready[s].wait()
+                tensors = load_file(path)
+                assert sum(a.nbytes for a in tensors.values()) > 0
+                del tensors
+            for fut in done:
+                fut.result()
+        out.put((i, time.perf_counter() - t, sum(os.times()[:2]) - cpu, None))
+    except BaseException as exc:
+        out.put((i, time.perf_counter() - t, 0.0, f"{type(exc).__name__}: {exc}"))
+
+
+def bare_herd(b: Bench, herd: Herd, prefix: str, nodes: int,
+              fetches: int) -> tuple[list[float], list[float], bool]:
+    """The bare-client herd (`bare` above): (wall by node, CPU-s by node, every
+    node's shard files byte-identical to the model)."""
+    blocks = bare_blocks(b.client, herd.keys, prefix)
+    dirs = [Path(tempfile.mkdtemp(prefix="tierfs-bare-", dir="/tmp")) for _ in range(nodes)]
+    shards = [[str(d / Path(k).name) for k in herd.keys] for d in dirs]
+    ctx = mp.get_context("fork")
+    start, out = ctx.Event(), ctx.Queue()
+    inboxes = [ctx.Queue() for _ in range(nodes)]
+    ps = [ctx.Process(target=_bare_node, args=(i, blocks, shards[i], b.server.env(),
+                                                herd.shared.env(), fetches, inboxes, start, out))
+          for i in range(nodes)]
+    try:
+        for p in ps:
+            p.start()
+        time.sleep(0.5)
+        start.set()
+        got = []
+        for _ in ps:
+            got.append(out.get(timeout=900))
+            if got[-1][3] is not None:
+                raise RuntimeError(f"bare node {got[-1][0]}: {got[-1][3]}")
+        got.sort()
+        ok = all(sha256_file(Path(p)) == herd.digests[k]
+                 for paths in shards for p, k in zip(paths, herd.keys, strict=True))
+        return [g[1] for g in got], [g[2] for g in got], ok
+    finally:
+        for p in ps:
+            p.join(timeout=5)
+            if p.exitcode is None:
+                p.kill()
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def kill_first_claimer(client: Any, prefix: str, mounts: list[TierfsMount],
                        stop: threading.Event, killed: list[int]) -> None:
     """Watch the shared prefix for a claim; kill -9 the daemon that made it."""
@@ -314,6 +490,8 @@ def main() -> None:
         p.add_argument("--origin-rate", default="400mbit")
         p.add_argument("--lease", type=float, default=30.0)
         p.add_argument("--boto-threads", type=int, default=4)
+        p.add_argument("--bare-fetches", type=int, default=SHARED_ORIGIN_FETCHES,
+                       help="origin GETs a bare-herd node has in flight at once")
         p.add_argument("--engine", choices=("crt", "botocore"), default=None,
                        help="[store] engine of every mount (default: tierfs's)")
         p.add_argument("--heavy-runs", type=int, default=1,
@@ -331,13 +509,15 @@ def main() -> None:
             "alone_s", "herd_slowest_s", "herd_vs_alone", "herd_origin_gib", "herd_tc_origin_gib",
             "herd_claims_won", "herd_claims_lost", "herd_claims_expired",
             "herd_shared_store_cpu_s", "herd_daemon_cpu_s",
+            "bare_slowest_s", "herd_vs_bare", "bare_vs_alone", "bare_tc_origin_gib",
+            "bare_shared_store_cpu_s", "bare_origin_cpu_s", "bare_node_cpu_s",
             "today_boto_s", "herd_vs_today", "today_tc_origin_gib",
             "fifth_s", "fifth_origin_bytes", "fifth_boto_s", "fifth_vs_boto", "herd_boto_s",
             "herd_vs_bound",
             "kill_survivors_slowest_s", "kill_extra_s", "kill_origin_gib", "kill_claims_expired",
             "corrupt_detected",
             "corrupt_origin_mib", "nocond_slowest_s", "nocond_origin_gib")}
-        checks: dict[str, list[bool]] = {"herd": [], "kill": [], "corrupt": [], "nocond": []}
+        checks: dict[str, list[bool]] = {"herd": [], "bare": [], "kill": [], "corrupt": [], "nocond": []}
         proxy = FaultProxy(shared.endpoint).start()
         proxy.set_rules([Rule("501", ops={"put"}, header="if-none-match"),
                          Rule("501", ops={"put"}, header="if-match")])
@@ -356,6 +536,8 @@ def main() -> None:
         b.result["heavy_runs"] = min(args.heavy_runs, args.runs)
         b.result["engine"] = args.engine or "default"
         b.result["nodes"] = args.nodes
+        b.result["bare_fetches"] = args.bare_fetches
+        b.result["bare_client"] = "awscrt S3Client"
         b.result["shards"] = args.shards
         b.result["loadavg"] = load
         b.save()
@@ -367,6 +549,13 @@ def main() -> None:
             ("one node alone, cold, no shared tier", f"{med['alone_s']:.1f} s"),
             (f"herd of {args.nodes}: slowest node", f"{med['herd_slowest_s']:.1f} s = "
              f"{med['herd_vs_alone']:.2f}x alone (target <= 1.3x)"),
+            (f"bare herd of {args.nodes} (awscrt, ideal division, no tierfs): slowest",
+             f"{med['bare_slowest_s']:.1f} s = {med['bare_vs_alone']:.2f}x alone; the herd's "
+             f"slowest is {med['herd_vs_bare']:.2f}x this; bytes verified {all(checks['bare'])}"),
+            ("CPU-s: shared store in the herd / in the bare herd",
+             f"{med['herd_shared_store_cpu_s']:.1f} / {med['bare_shared_store_cpu_s']:.1f} "
+             f"(origin {med['bare_origin_cpu_s']:.1f}); tierfs daemons "
+             f"{med['herd_daemon_cpu_s']:.1f} / bare nodes {med['bare_node_cpu_s']:.1f}"),
             (f"{args.nodes} boto3 processes GET it all from the shared tier at once",
              f"{med['herd_boto_s']:.1f} s: the herd's slowest is {med['herd_vs_bound']:.2f}x "
              "max(alone, this)"),
@@ -441,6 +630,25 @@ def one_run(run: int, b: Bench, herd: Herd, sc: Any, proxy: FaultProxy, tc_sent:
     herd.done(ms)
     said(run, res, "herd_slowest_s", "herd_vs_alone", "herd_origin_gib", "herd_tc_origin_gib",
          "herd_claims_won", "herd_claims_lost", "herd_claims_expired")
+
+    # bare: the same work ideally divided, bare clients, no tierfs
+    drop_caches()
+    before = tc_sent()
+    cpu0 = [cpu_s(p) for p in pids[:2]]
+    walls_b, cpu_b, ok = bare_herd(b, herd, f"bare{run}", n, args.bare_fetches)
+    cpu = [round(cpu_s(p) - c, 1) for p, c in zip(pids[:2], cpu0, strict=True)]
+    res["bare_tc_origin_gib"].append((tc_sent() - before) / GiB)
+    res["bare_shared_store_cpu_s"].append(cpu[0])
+    res["bare_origin_cpu_s"].append(cpu[1])
+    res["bare_node_cpu_s"].append(round(sum(cpu_b), 1))
+    res["bare_slowest_s"].append(max(walls_b))
+    res["herd_vs_bare"].append(res["herd_slowest_s"][-1] / res["bare_slowest_s"][-1])
+    res["bare_vs_alone"].append(res["bare_slowest_s"][-1] / res["alone_s"][-1])
+    checks["bare"].append(ok)
+    print(f"run {run}: bare walls {[round(w, 1) for w in walls_b]}, node cpu s "
+          f"{[round(c, 1) for c in cpu_b]}; load {os.getloadavg()}", flush=True)
+    said(run, res, "bare_slowest_s", "herd_vs_bare", "bare_vs_alone", "bare_tc_origin_gib",
+         "bare_shared_store_cpu_s", "bare_origin_cpu_s", "bare_node_cpu_s")
 
     heavy = run < args.heavy_runs
     if heavy:  # today: N plain clients, each its own copy through the link
