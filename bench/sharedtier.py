@@ -71,9 +71,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from awscrt import auth, http, s3
+from awscrt import http, s3
 from botocore.exceptions import ClientError
-from common import BUCKET, Bench, GiB, MiB, drop_caches, median, parse_args, report
+from common import (
+    BUCKET,
+    Bench,
+    GiB,
+    MiB,
+    bare_crt,
+    drop_caches,
+    median,
+    parse_args,
+    report,
+)
 from safetensors.numpy import load_file, save_file
 
 from tests.fault.proxy import FaultProxy, Rule
@@ -311,13 +321,7 @@ class Crt:
     blocking GETs into a file at an offset, PUTs from memory."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.host = env["AWS_ENDPOINT_URL"].split("//", 1)[1]
-        creds = auth.AwsCredentialsProvider.new_static(env["AWS_ACCESS_KEY_ID"],
-                                                       env["AWS_SECRET_ACCESS_KEY"])
-        self.client = s3.S3Client(
-            region="us-east-1", tls_mode=s3.S3RequestTlsMode.DISABLED,
-            signing_config=s3.create_default_s3_signing_config(region="us-east-1",
-                                                               credential_provider=creds))
+        self.client, self.host = bare_crt(env)
 
     def _req(self, method: str, bucket: str, key: str, headers: list[tuple[str, str]],
              body: Any = None) -> http.HttpRequest:
