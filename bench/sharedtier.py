@@ -82,6 +82,7 @@ from common import (
     drop_caches,
     median,
     parse_args,
+    proc_cpu_seconds,
     report,
 )
 from safetensors.numpy import load_file, save_file
@@ -227,14 +228,11 @@ def origin_bytes(mounts: list[TierfsMount]) -> float:
 
 
 def cpu_s(pid: int | None) -> float:
-    """CPU seconds (user + system, its waited-for children included) of process `pid`."""
-    if pid is None:
-        return 0.0
+    """CPU seconds of process `pid`; 0 for none, or for one gone (a daemon killed)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return 0.0 if pid is None else proc_cpu_seconds(pid)
     except OSError:
         return 0.0
-    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def shared_requests(mounts: list[TierfsMount]) -> list[dict[str, float]]:

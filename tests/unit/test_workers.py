@@ -26,26 +26,27 @@ async def test_no_more_calls_run_at_once_than_the_kind_has_slots() -> None:
     gate = threading.Event()
     running = 0
     peak = 0
-    lock = threading.Lock()
+    changed = threading.Condition()
 
     def call() -> None:
         nonlocal running, peak
-        with lock:
+        with changed:
             running += 1
             peak = max(peak, running)
+            changed.notify_all()
         gate.wait(10)
-        with lock:
+        with changed:
             running -= 1
+
+    def two_inside() -> None:  # the two that hold slots have entered their threads
+        with changed:
+            assert changed.wait_for(lambda: running == 2, timeout=10)
 
     async with trio.open_nursery() as n:
         for _ in range(5):
             n.start_soon(kind.run, call)
         await trio.testing.wait_all_tasks_blocked()
-        while True:  # the two that hold slots have entered their threads
-            with lock:
-                if running == 2:
-                    break
-            await trio.sleep(0.01)  # polling a thread's progress, not a measurement
+        await trio.to_thread.run_sync(two_inside)
         gate.set()
     assert peak == 2
 
